@@ -1,0 +1,153 @@
+"""Llama 2/3 family as pure functions over a weight pytree and a paged KV cache.
+
+RMSNorm, RoPE (with Llama-3.1 scaling), GQA attention, SwiGLU, tied or untied embeddings. The Q/K/V
+and gate/up projections are fused (one matmul each) and every matmul goes through :func:`linear`,
+the single place where quantized weights will slot in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.paged.attention import ragged_paged_attention
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """One decoder layer. Linear weights are ``[in, out]``; Q/K heads use the HF (rotate-half) layout."""
+
+    attn_norm: jax.Array  # [D]
+    wqkv: jax.Array  # [D, (H + 2 * KVH) * head_dim]: q | k | v
+    wo: jax.Array  # [H * head_dim, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2 * F]: gate | up
+    w_down: jax.Array  # [F, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: jax.Array  # [V, D]
+    # A list of per-layer weights (unrolled loop) or one LayerWeights of arrays stacked on a
+    # leading layer axis (scanned loop); see `arrange_layers`.
+    layers: list[LayerWeights] | LayerWeights
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V]; None when tied to the embedding
+
+
+def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
+    """Stack per-layer weights for ``layer_loop == "scan"``, or split stacked ones for ``"unroll"``."""
+    layers = weights.layers
+    if config.layer_loop == "scan" and isinstance(layers, list):
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    elif config.layer_loop == "unroll" and not isinstance(layers, list):
+        layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.num_layers)]
+    return dataclasses.replace(weights, layers=layers)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later."""
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies ``[head_dim // 2]``, with Llama-3.1 scaling applied when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = np.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE on ``x [T, heads, head_dim]`` at ``positions [T]``."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def _layer(config: ModelConfig, attention: AttentionFn, x, lw: LayerWeights, layer, cache: KVCache,
+           positions, md: BatchMetadata):
+    t = x.shape[0]
+    h, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    inv_freq = rope_frequencies(config)
+
+    qkv = linear(rms_norm(x, lw.attn_norm, config.rms_norm_eps), lw.wqkv)
+    q, k, v = jnp.split(qkv, [config.q_size, config.q_size + config.kv_size], axis=-1)
+    q = apply_rope(q.reshape(t, h, hd), positions, inv_freq)
+    k = apply_rope(k.reshape(t, kvh, hd), positions, inv_freq)
+    cache = write_kv(cache, layer, k, v.reshape(t, kvh, hd), md.slot_mapping)
+    attn = attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
+    x = x + linear(attn.reshape(t, h * hd), lw.wo)
+
+    gate, up = jnp.split(linear(rms_norm(x, lw.mlp_norm, config.rms_norm_eps), lw.w_gate_up), 2, axis=-1)
+    x = x + linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, lw.w_down)
+    return x, cache
+
+
+def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
+            config: ModelConfig, attention: AttentionFn = ragged_paged_attention) -> tuple[jax.Array, KVCache]:
+    """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
+    and the updated cache (donate it at the jit boundary so it is updated in place)."""
+    x = weights.embed[tokens]
+    if isinstance(weights.layers, list):
+        for i, lw in enumerate(weights.layers):
+            x, kv_cache = _layer(config, attention, x, lw, i, kv_cache, positions, md)
+    else:
+        def body(carry, xs):
+            x, cache = carry
+            lw, i = xs
+            return _layer(config, attention, x, lw, i, cache, positions, md), None
+
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
+                                        (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
+    x = rms_norm(x[md.logits_indices], weights.final_norm, config.rms_norm_eps)
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return logits, kv_cache
+
+
+def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Weights:
+    """Random weights of the right shapes (``load_format="dummy"``), scaled so activations stay O(1)."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    qkv = config.q_size + 2 * config.kv_size
+    keys = iter(jax.random.split(key, 6 * config.num_layers + 2))
+
+    def normal(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    layers = [LayerWeights(
+        attn_norm=jnp.ones((d,), dtype), wqkv=normal((d, qkv), d), wo=normal((config.q_size, d), config.q_size),
+        mlp_norm=jnp.ones((d,), dtype), w_gate_up=normal((d, 2 * f), d), w_down=normal((f, d), f),
+    ) for _ in range(config.num_layers)]
+    weights = Weights(embed=normal((v, d), 1.0), layers=layers, final_norm=jnp.ones((d,), dtype),
+                      lm_head=None if config.tie_word_embeddings else normal((d, v), d))
+    return arrange_layers(weights, config)

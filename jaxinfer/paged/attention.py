@@ -1,0 +1,80 @@
+"""Reference ragged paged attention in pure ``jnp``: the CPU path and the oracle for the Pallas kernels.
+
+One step packs decode tokens (one query each) and prefill chunks (many queries, causal) of different
+sequences into one ragged batch; every query reads its own sequence's context through the page table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.paged.kv_cache import BatchMetadata
+
+# Scores are materialized for a block of queries at a time; this bounds a block's
+# (queries x context) so prefill of long prompts stays within memory.
+_BLOCK_ELEMENTS = 1 << 16
+
+
+def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each packed token: its sequence index, its position, and whether it is a real token."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = md.seq_lens.shape[0]
+    seq = jnp.searchsorted(md.query_start[1:], t, side="right").astype(jnp.int32)
+    valid = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    q_len = md.query_start[seq + 1] - md.query_start[seq]
+    pos = md.seq_lens[seq] - q_len + (t - md.query_start[seq])
+    return seq, pos, valid
+
+
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
+                           scale: float, soft_cap: float | None = None,
+                           sliding_window: int | None = None) -> jax.Array:
+    """Attention of packed queries ``q [T, H, D]`` over layer ``layer`` of the paged cache.
+
+    ``k_cache``/``v_cache`` are ``[layers, pages, page_size, kv_heads, D]`` and already hold this
+    step's K/V. Query ``t`` of sequence ``s`` at position ``p`` attends to positions ``<= p`` of ``s``
+    (and ``> p - sliding_window`` when set). Padding tokens produce zeros.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_seqs, pages_per_seq = md.page_table.shape
+    ctx = pages_per_seq * k_cache.shape[2]
+
+    # Each sequence's context, gathered once: [S, ctx, kv_heads, D].
+    k_seq = k_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
+    v_seq = v_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
+    seq, pos, valid = token_layout(md, num_tokens)
+
+    block = max(1, min(num_tokens, _BLOCK_ELEMENTS // ctx))
+    num_blocks = -(-num_tokens // block)
+    pad = num_blocks * block - num_tokens
+
+    def blocks(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num_blocks, block, *x.shape[1:])
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    key_pos = jnp.arange(ctx, dtype=jnp.int32)
+
+    def attend(args):
+        qb, sb, pb, vb = args  # [B, KVH, G, D], [B], [B], [B]
+        kb, vvb = k_seq[sb], v_seq[sb]  # [B, ctx, KVH, D]
+        s = jnp.einsum("bkgd,bckd->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32)) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = key_pos[None, :] <= pb[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > pb[:, None] - sliding_window
+        mask &= vb[:, None]
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        out = jnp.einsum("bkgc,bckd->bkgd", p, vvb.astype(jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
+        return out.astype(q.dtype)
+
+    out = jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid)))
+    return out.reshape(num_blocks * block, num_heads, head_dim)[:num_tokens]

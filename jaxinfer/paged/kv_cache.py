@@ -1,0 +1,71 @@
+"""The paged KV cache (device pytree) and the per-step batch metadata that addresses it.
+
+Layout: ``k`` and ``v`` are each one array ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]``.
+- One buffer per K and V (not one per layer) so the whole cache is two donated arrays, and both an
+  unrolled and a scanned layer loop can address a layer by index without slicing out a copy: the
+  layer index is passed down to attention, which reads pages of that layer in place.
+- A page holds ``page_size`` consecutive token positions of one sequence; ``page_size * kv_heads *
+  head_dim`` contiguous elements make one DMA-friendly block for the Pallas kernels.
+- A token's slot is ``page * page_size + offset``; the host-side allocator (``block_manager``) owns
+  which pages belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+              dtype=jnp.float32) -> "KVCache":
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BatchMetadata:
+    """Where a step's packed (ragged) tokens live. Shapes are bucketed; padding is inert.
+
+    T = tokens in the step, S = sequences in the step, P = pages per sequence (all padded).
+    Sequence ``s`` owns query tokens ``query_start[s]:query_start[s+1]``; its context after this
+    step is ``seq_lens[s]`` tokens, so its tokens sit at positions ``seq_lens[s] - q_len + i``.
+    Padding sequences have ``q_len == 0`` and ``seq_lens == 0``; padding tokens have a slot past the
+    end of the pool so their K/V writes are dropped.
+    """
+
+    slot_mapping: jax.Array  # int32 [T]: flat slot (page * page_size + offset) for each token's K/V
+    page_table: jax.Array  # int32 [S, P]: pages of each sequence, in order
+    seq_lens: jax.Array  # int32 [S]: context length of each sequence including this step's tokens
+    query_start: jax.Array  # int32 [S + 1]: cumulative query lengths (packed token offsets)
+    logits_indices: jax.Array  # int32 [S]: packed index of the token whose logits are sampled
+
+
+def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
+    """Scatter one layer's new K/V ``[T, kv_heads, head_dim]`` into their slots, in place (donated)."""
+    ps = cache.page_size
+    pages, offsets = slot_mapping // ps, slot_mapping % ps
+    k_new = cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype), mode="drop")
+    v_new = cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype), mode="drop")
+    return KVCache(k_new, v_new)
