@@ -1,0 +1,87 @@
+"""Engine options: one frozen dataclass, validated when built, so bad options fail before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16"),
+    "load_format": ("auto", "dummy"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "preemption_mode": ("recompute", "swap"),
+    "attention_backend": ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret"),
+    "layer_loop": ("auto", "scan", "unroll"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What a user of vLLM would pass to ``LLM(...)``; ``None`` means "derive a default".
+
+    - ``num_pages``: KV pool size; by default sized from ``kv_cache_memory_fraction`` of device
+      memory on accelerators, and to hold ``max_num_seqs`` full-length sequences (at most
+      ``cpu_kv_cache_gib``) on CPU.
+    - ``max_model_len``: defaults to the model's context length.
+    - ``prefill_chunk_size``: most prompt tokens one request feeds per step (default: the budget).
+    - ``token_buckets``/``seq_buckets``/``page_buckets``: the padded shapes steps compile for
+      (default: powers of two up to the limits).
+    - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
+    - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere (fast compiles).
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    cpu_kv_cache_gib: float = 2.0
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    prefill_chunk_size: int | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    attention_backend: str = "auto"
+    layer_loop: str = "auto"
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+    compilation_cache_dir: str | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            _positive(name, getattr(self, name))
+        for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs one token per step")
+        for name in ("token_buckets", "seq_buckets", "page_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(sorted(value))
+                if not value or any(not isinstance(v, int) or v < 1 for v in value):
+                    raise ValueError(f"{name} must be positive integers, got {value!r}")
+                object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**options)
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

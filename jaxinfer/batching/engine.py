@@ -1,0 +1,288 @@
+"""The engine loop: processor -> scheduler -> KV cache manager -> model runner -> output processor.
+
+``add_request`` tokenizes and validates; each ``step`` schedules one iteration, runs one compiled
+step on device, and turns sampled tokens into incremental outputs (detokenized text, stop checks).
+All host state lives here and in the scheduler; the model and the cache are pure device pytrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from typing import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.batching.model_runner import Buckets, ModelRunner, powers_of_two
+from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.batching.sequence import Sequence, Status
+from jaxinfer.models.weights import load_model, resolve_model
+from jaxinfer.paged.block_manager import BlockManager
+from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.pallas_kernels import get_attention
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state after a step: the whole text so far plus what is new since the last one."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """Output-side state of one request: detokenizer, emitted text, stop-string hold-back."""
+
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    emitted: int = 0  # characters of `text` already reported
+    emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: str, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        backend = jax.default_backend()
+        dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+        layer_loop = config.layer_loop if config.layer_loop != "auto" else ("unroll" if backend == "gpu" else "scan")
+        self.source = resolve_model(model)
+        t0 = time.perf_counter()
+        self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format,
+                                                seed=config.seed, layer_loop=layer_loop)
+        log.info("loaded %s (%s, %.1fM params) in %.1fs", model, dtype, self.model_config.num_params() / 1e6,
+                 time.perf_counter() - t0)
+        self.tokenizer = load_tokenizer(self.source)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
+                             f"({mc.max_position_embeddings})")
+        ps = config.page_size
+        pages_per_seq = -(-self.max_model_len // ps)
+        num_pages = config.num_pages or self._default_num_pages(weights, dtype, pages_per_seq)
+        if num_pages < pages_per_seq:
+            raise ValueError(f"the KV pool ({num_pages} pages of {ps} tokens) cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}; raise num_pages or lower max_model_len")
+        cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, jnp.dtype(dtype))
+        budget = config.max_num_batched_tokens
+        buckets = Buckets(
+            tokens=config.token_buckets or powers_of_two(min(16, budget), budget),
+            seqs=config.seq_buckets or powers_of_two(1, config.max_num_seqs),
+            pages=config.page_buckets or powers_of_two(min(4, pages_per_seq), pages_per_seq))
+        if buckets.tokens[-1] < budget or buckets.seqs[-1] < config.max_num_seqs or buckets.pages[-1] < pages_per_seq:
+            raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
+                             f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
+                             f"max_model_len/page_size={pages_per_seq}")
+        self.runner = ModelRunner(mc, weights, cache, buckets, get_attention(config.attention_backend),
+                                  max_logprobs=config.max_logprobs)
+        self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,
+                            config.scheduling_policy, config.preemption_mode),
+            self.blocks, swap_out=self.runner.swap_out, swap_in=self.runner.swap_in)
+        self.requests: dict[str, Sequence] = {}
+        self._trackers: dict[str, _Tracker] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self._arrivals = itertools.count()
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, computed_prompt_tokens=0, steps=0,
+                             step_tokens=0, host_time=0.0)
+        log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
+                 cache.k.nbytes * 2 / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
+
+    def _default_num_pages(self, weights, dtype: str, pages_per_seq: int) -> int:
+        mc = self.model_config
+        per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads, mc.head_dim, dtype)
+        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] * self.config.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
+            return max(1, int(free // per_page))
+        want = self.config.max_num_seqs * pages_per_seq
+        return max(pages_per_seq, min(want, int(self.config.cpu_kv_cache_gib * 2**30 // per_page)))
+
+    # ----------------------------------------------------------------------------------- input side
+
+    def encode(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+                raise TypeError("a token-id prompt must be a list of integers")
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise ValueError("prompt must not be empty")
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        ids = self.encode(prompt)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        seq = Sequence(request_id, ids, params, seed, priority=priority, arrival_index=next(self._arrivals))
+        self.requests[request_id] = seq
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        self._trackers[request_id] = _Tracker(detok)
+        self.counters["prompt_tokens"] += len(ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its pages are freed at once. False if it is unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self._trackers.pop(request_id, None)
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        result = self.runner.run(batch)
+        host = time.perf_counter() - t0
+        tokens = np.asarray(result.tokens)  # waits for the device
+        t1 = time.perf_counter()
+        logprobs = np.asarray(result.logprobs) if result.top_tokens is not None or any(
+            s.params.logprobs is not None for s in batch.seqs) else None
+        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
+        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+
+        outputs = []
+        now = time.monotonic()
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
+                                                                  - seq.num_computed_tokens))
+            seq.num_computed_tokens += n
+            seq.committed_pages, seq.committed_key = self.blocks.commit(
+                seq.page_table, seq.token_ids, seq.num_computed_tokens, seq.committed_pages, seq.committed_key)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that is not the last: nothing sampled
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            top = None
+            if seq.params.logprobs is not None:
+                top = {int(tokens[i]): float(logprobs[i])}
+                if seq.params.logprobs and top_ids is not None:
+                    top.update(zip(top_ids[i, :seq.params.logprobs].tolist(),
+                                   top_lps[i, :seq.params.logprobs].tolist()))
+            outputs.append(self._append_token(seq, int(tokens[i]), top))
+        self.counters["steps"] += 1
+        self.counters["step_tokens"] += sum(batch.num_tokens)
+        self.counters["host_time"] += host + time.perf_counter() - t1
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, top: dict[int, float] | None) -> RequestOutput:
+        p = seq.params
+        tr = self._trackers[seq.request_id]
+        self.counters["generation_tokens"] += 1
+        if (token in self.model_config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        else:
+            seq.output_token_ids.append(token)
+            if top is not None:
+                seq.output_top_logprobs.append(top)
+            if tr.detok is not None:
+                tr.text += tr.detok.add(token)
+            if p.stop and self._find_stop(tr, p.stop):
+                seq.finish_reason = "stop"
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        finished = seq.finish_reason is not None
+        if finished:
+            self.requests.pop(seq.request_id, None)
+            self._trackers.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+        # Hold back a tail that may still turn out to start a stop string.
+        hold = 0 if finished or not p.stop else max(len(s) for s in p.stop) - 1
+        visible = max(tr.emitted, len(tr.text) - hold)
+        delta, tr.emitted = tr.text[tr.emitted:visible], visible
+        new_ids = seq.output_token_ids[tr.emitted_tokens:]
+        tr.emitted_tokens = len(seq.output_token_ids)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, tr.text, list(seq.output_token_ids), finished,
+                             seq.finish_reason, delta, new_ids,
+                             list(seq.output_top_logprobs) if p.logprobs is not None else None,
+                             seq.num_cached_tokens)
+
+    @staticmethod
+    def _find_stop(tr: _Tracker, stops: tuple[str, ...]) -> bool:
+        window = max(len(s) for s in stops) + 16
+        start = max(0, min(tr.emitted, len(tr.text) - window))
+        hits = [i for i in (tr.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            tr.text = tr.text[:min(hits)]
+        return bool(hits)
+
+    # ------------------------------------------------------------------------------- introspection
+
+    def warmup(self, shapes=None) -> float:
+        """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds."""
+        t0 = time.perf_counter()
+        self.runner.warmup(shapes)
+        return time.perf_counter() - t0
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    def stats(self) -> dict:
+        s, b = self.scheduler, self.blocks
+        stored = sum(q.num_computed_tokens for q in s.running)
+        slots = sum(len(q.page_table) for q in s.running) * b.page_size
+        c = self.counters
+        return dict(
+            running=len(s.running), waiting=len(s.waiting), preempted=len(s.preempted),
+            kv_pages_used=b.num_used, kv_pages_total=b.num_pages, kv_pages_cached_free=len(b.cached),
+            kv_utilization=stored / slots if slots else 1.0,
+            prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
+            preemptions=s.num_preemptions, compilations=self.num_compilations,
+            prompt_tokens=c["prompt_tokens"], generation_tokens=c["generation_tokens"],
+            computed_prompt_tokens=c["computed_prompt_tokens"], steps=c["steps"],
+            tokens_per_step=c["step_tokens"] / max(1, c["steps"]),
+            host_time_per_step=c["host_time"] / max(1, c["steps"]),
+        )

@@ -1,0 +1,159 @@
+"""Iteration-level scheduler: every step decides which requests run and how many tokens each gets.
+
+Running requests go first (a decode needs one token, an unfinished prefill its next chunk), then
+preempted and waiting ones are admitted while sequence slots, the token budget and KV pages allow.
+Prefill chunks and decodes share one step (in-flight batching). When pages run short the
+lowest-priority, latest-arrived running request is preempted, by recompute (pages dropped, prompt
+and generated tokens re-prefilled later) or swap (pages copied to host memory and restored later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jaxinfer.batching.sequence import Sequence, Status
+from jaxinfer.paged.block_manager import BlockManager
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int  # most prompt tokens one request gets in one step
+    policy: str = "fcfs"  # or "priority": lower value first, ties first-come first-served
+    preemption_mode: str = "recompute"  # or "swap"
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens fed for each sequence this step
+
+    def __len__(self):
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 swap_out: Callable[[list[int]], object] | None = None,
+                 swap_in: Callable[[object, list[int]], None] | None = None):
+        self.config = config
+        self.blocks = blocks
+        self.swap_out, self.swap_in = swap_out, swap_in
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.preempted: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.priority if self.config.policy == "priority" else 0, seq.arrival_index)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.preempted)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of every queue and free its pages at once."""
+        for queue in (self.running, self.waiting, self.preempted):
+            if seq in queue:
+                queue.remove(seq)
+        self.blocks.free_pages(seq.page_table)
+        seq.page_table = []
+        seq.swapped = None
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.config.preemption_mode == "swap":
+            seq.swapped = self.swap_out(seq.page_table[:self.blocks.pages_needed(seq.num_computed_tokens)])
+        else:
+            seq.num_computed_tokens = 0
+        self.blocks.free_pages(seq.page_table)
+        seq.page_table = []
+        seq.committed_pages, seq.committed_key = 0, None
+        seq.status = Status.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted.append(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_remaining, budget, self.config.prefill_chunk_size if seq.is_prefill else 1)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting or preempted sequence its pages; False if they don't fit."""
+        if seq.swapped is not None:
+            need = self.blocks.pages_needed(seq.num_computed_tokens + 1)
+            if need > self.blocks.num_free:
+                return False
+            seq.page_table = []
+            self.blocks.grow(seq.page_table, seq.num_computed_tokens + 1)
+            self.swap_in(seq.swapped, seq.page_table)
+            seq.swapped = None
+            return True
+        tokens = seq.token_ids
+        if not self.blocks.can_allocate(tokens):
+            return False
+        seq.page_table, cached = self.blocks.allocate(tokens)
+        seq.num_computed_tokens = cached
+        if not seq.output_token_ids:
+            seq.num_cached_tokens = cached
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, tokens), insertion-ordered
+        preempted_now = False
+
+        self.running.sort(key=self.key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            while self.blocks.pages_needed(seq.num_computed_tokens + n) - len(seq.page_table) > self.blocks.num_free:
+                victim = self.running[-1]
+                batch.pop(id(victim), None)
+                self._preempt(victim)
+                preempted_now = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break
+            self.blocks.grow(seq.page_table, seq.num_computed_tokens + n)
+            batch[id(seq)] = (seq, n)
+            budget -= n
+            i += 1
+
+        if not preempted_now:
+            candidates = sorted(self.preempted + self.waiting, key=self.key)
+            for seq in candidates:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if not (self._admit(seq) or self._preempt_for(seq, batch)):
+                    break
+                budget = self.config.max_num_batched_tokens - sum(n for _, n in batch.values())
+                (self.preempted if seq in self.preempted else self.waiting).remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                n = self._chunk(seq, budget)
+                self.blocks.grow(seq.page_table, seq.num_computed_tokens + n)
+                batch[id(seq)] = (seq, n)
+                budget -= n
+
+        seqs = [s for s, _ in batch.values()]
+        return ScheduledBatch(seqs, [n for _, n in batch.values()])
+
+    def _preempt_for(self, seq: Sequence, batch: dict) -> bool:
+        """Priority policy: preempt lower-priority running requests until ``seq`` fits."""
+        if self.config.policy != "priority":
+            return False
+        while self.running and self.key(self.running[-1]) > self.key(seq):
+            victim = self.running[-1]
+            batch.pop(id(victim), None)
+            self._preempt(victim)
+            if self._admit(seq):
+                return True
+        return False

@@ -1,0 +1,60 @@
+"""Host-side state of one request as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxinfer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed, or one drawn for it at arrival
+    priority: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    arrival_index: int = 0  # tie-breaker: FCFS among equal priorities
+
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+
+    page_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at the last admission
+    committed_pages: int = 0  # full pages published to the prefix cache
+    committed_key: int | None = None
+    swapped: object = None  # host copy of the pages while swapped out
+
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to feed through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_remaining > 1

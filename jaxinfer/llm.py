@@ -1,0 +1,101 @@
+"""The public facade: ``LLM`` for repeated use (compiled steps are reused), ``generate`` for one-offs."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.batching.engine import LLMEngine, RequestOutput
+from jaxinfer.sampling_params import SamplingParams, as_list
+from jaxinfer.tokenizer import apply_chat_template
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine bound to one model. ``engine_options`` are the fields of :class:`EngineConfig`."""
+
+    def __init__(self, model: str = "smollm2-135m", **engine_options):
+        self.engine = LLMEngine(model, EngineConfig.from_options(**engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def warmup(self, shapes=None) -> float:
+        return self.engine.warmup(shapes)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 priority: int | Sequence[int] = 0, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts (text, token ids, or a list of either) to completion; one output per prompt."""
+        prompts = _as_prompt_list(prompts)
+        params = as_list(sampling_params, len(prompts))
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority must be one int or a list of {len(prompts)}")
+        encoded = [self.engine.encode(p) for p in prompts]  # validate all before queueing any
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, p, sp, prio in zip(ids, encoded, params, priorities):
+            self.engine.add_request(rid, p, sp, prio)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
+        finally:
+            bar.close()
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
+        return [done[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+        convs = messages if isinstance(messages[0], list) else [messages]
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights), so chat is unavailable")
+        prompts = [apply_chat_template(self.tokenizer, conv) for conv in convs]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a string, a token-id list, or a non-empty list of them")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    for p in prompts:
+        if not isinstance(p, (str, list, tuple)):
+            raise TypeError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return list(prompts)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_llm(model: str, options: tuple) -> LLM:
+    return LLM(model, **dict(options))
+
+
+def generate(prompts: Prompt | Sequence[Prompt], model: str = "smollm2-135m", *, max_tokens: int = 64,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+             ignore_eos: bool = False, logprobs: int | None = None, **engine_options) -> list[RequestOutput]:
+    """One call from a notebook: the engine for ``(model, engine_options)`` is built once and reused."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                            logprobs=logprobs)
+    EngineConfig.from_options(**engine_options)  # reject bad options before building anything
+    key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in engine_options.items()))
+    return _cached_llm(model, key).generate(prompts, params)

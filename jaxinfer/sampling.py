@@ -1,0 +1,95 @@
+"""On-device sampling: its own stage after the forward pass, batched with per-row parameters.
+
+Every row carries its own temperature, top-k, top-p, min-p and seed. Randomness is keyed by
+``(seed, index of the generated token)``, so a seeded request samples the same tokens whatever
+else shares its batch, and again after preemption and recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row sampling inputs, padded to the step's sequence bucket ``[S]``."""
+
+    temperature: jax.Array  # f32; 0 means greedy
+    top_k: jax.Array  # i32; <= 0 disables
+    top_p: jax.Array  # f32; 1 disables
+    min_p: jax.Array  # f32; 0 disables
+    seed: jax.Array  # u32
+    step: jax.Array  # i32: how many tokens this request has generated so far
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    # Generated-token counts for penalties as sparse (row, token, count) triples padded with count 0.
+    penalty_rows: jax.Array  # i32 [K]
+    penalty_tokens: jax.Array  # i32 [K]
+    penalty_counts: jax.Array  # f32 [K]
+
+
+@dataclasses.dataclass
+class SampleResult:
+    tokens: jax.Array  # i32 [S]
+    logprobs: jax.Array  # f32 [S]: logprob of the sampled token under the model's distribution
+    top_tokens: jax.Array | None  # i32 [S, n]
+    top_logprobs: jax.Array | None  # f32 [S, n]
+
+
+jax.tree_util.register_dataclass(SampleResult, data_fields=["tokens", "logprobs", "top_tokens", "top_logprobs"],
+                                 meta_fields=[])
+
+
+def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    counts = jnp.zeros_like(logits).at[b.penalty_rows, b.penalty_tokens].add(b.penalty_counts)
+    present = (counts > 0).astype(logits.dtype)
+    return logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * present
+
+
+def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution, then Gumbel-max."""
+    vocab = logits.shape[-1]
+    temp = jnp.where(b.temperature > 0, b.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    keep = (b.top_k[:, None] <= 0) | (rank < b.top_k[:, None])
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
+    keep &= (before < b.top_p[:, None]) | (rank == 0)
+    keep &= probs >= b.min_p[:, None] * probs[:, :1]
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def gumbel(seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    noise = jax.vmap(gumbel)(b.seed, b.step)
+    choice = jnp.argmax(masked + noise, axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, b: SamplingBatch, *, num_logprobs: int = 0, penalties: bool = False) -> SampleResult:
+    """Sample one token per row of float32 ``logits [S, V]``.
+
+    ``num_logprobs`` and ``penalties`` are static so that steps without them compile without the
+    extra work. Logprobs are those of the model's raw distribution (as in vLLM/OpenAI).
+    """
+    logits = logits.astype(jnp.float32)
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    adjusted = _apply_penalties(logits, b) if penalties else logits
+    greedy = jnp.argmax(adjusted, axis=-1)
+    tokens = jax.lax.cond(jnp.all(b.temperature == 0), lambda: greedy,
+                          lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
+    tokens = tokens.astype(jnp.int32)
+    token_lp = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    top_lp = top_ids = None
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
+        top_ids = top_ids.astype(jnp.int32)
+    return SampleResult(tokens, token_lp, top_ids, top_lp)
