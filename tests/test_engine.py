@@ -1,0 +1,156 @@
+"""Engine and API behaviour on a tiny random Llama-3 (GQA, rope scaling): fast, no weights needed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.models.llama import forward
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+
+OPTS = dict(load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256,
+            seq_buckets=(1, 2, 4, 8), page_buckets=(4, 16))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama3", **OPTS)
+
+
+def prompts(seed=0, lengths=(5, 17, 33, 64, 100, 3, 40, 9)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in lengths]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def full_logits(llm, ids):
+    """Oracle: logits of every position of `ids` from one plain forward pass (no engine)."""
+    eng = llm.engine
+    mc, ps = eng.model_config, 16
+    n = len(ids)
+    pages = -(-n // ps)
+    cache = KVCache.zeros(mc.num_layers, pages, ps, mc.num_kv_heads, mc.head_dim)
+    md = BatchMetadata(jnp.arange(n, dtype=jnp.int32), jnp.arange(pages, dtype=jnp.int32)[None],
+                       jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32), jnp.arange(n, dtype=jnp.int32))
+    logits, _ = forward(eng.runner.weights, jnp.asarray(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, md, mc)
+    return np.asarray(logits)
+
+
+def test_greedy_matches_plain_forward(llm):
+    """Engine greedy decoding (paged, bucketed, incremental) equals argmax over a full recompute."""
+    p = prompts(1, (11,))[0]
+    out = llm.generate([p], GREEDY)[0]
+    ids = list(p)
+    for tok in out.token_ids[:8]:
+        assert tok == int(np.argmax(full_logits(llm, ids)[-1]))
+        ids.append(tok)
+
+
+def test_batched_equals_alone(llm):
+    ps = prompts()
+    batched = llm.generate(ps, GREEDY)
+    for p, b in zip(ps, batched):
+        assert llm.generate([p], GREEDY)[0].token_ids == b.token_ids
+        assert len(b.token_ids) == 24 and b.finish_reason == "length"
+
+
+def test_seeded_sampling_is_batch_invariant(llm):
+    sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=40, min_p=0.01, seed=1234, ignore_eos=True)
+    ps = prompts(2, (4, 30, 12))
+    batched = llm.generate(ps, sp)
+    alone = [llm.generate([p], sp)[0] for p in ps]
+    assert [b.token_ids for b in batched] == [a.token_ids for a in alone]
+    other = llm.generate(ps[:1], SamplingParams(**{**sp.__dict__, "seed": 99}))[0]
+    assert other.token_ids != alone[0].token_ids
+
+
+def test_unseeded_requests_differ(llm):
+    sp = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    a, b = llm.generate([prompts()[0]] * 2, sp)
+    assert a.token_ids != b.token_ids
+
+
+def test_logprobs_match_the_model(llm):
+    p = prompts(3, (20,))[0]
+    out = llm.generate([p], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True))[0]
+    assert len(out.logprobs) == 3
+    lp = jax.nn.log_softmax(full_logits(llm, p + out.token_ids[:1])[-2:], axis=-1)
+    for step in range(2):
+        d = out.logprobs[step]
+        tok = out.token_ids[step]
+        assert len(d) == 4 and tok in d  # greedy token is also the top-1
+        for t, v in d.items():
+            assert abs(v - float(lp[step, t])) < 1e-4
+
+
+def test_stop_token_and_eos(llm):
+    p = prompts(4, (10,))[0]
+    free = llm.generate([p], GREEDY)[0].token_ids
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = llm.generate([p], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_at,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:first]
+    # The model's EOS (id 2 in this config) ends generation unless ignore_eos.
+    eos_prompt = [5, 6, 7]
+    cfg_eos = llm.engine.model_config.eos_token_ids
+    assert cfg_eos == (2,)
+    out = llm.generate([eos_prompt], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=cfg_eos))[0]
+    assert 2 not in out.token_ids
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
+    (dict(logprobs=50), "logprobs"), (dict(seed=-1), "seed"), (dict(stop=[""]), "stop"),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_type_errors_name_the_parameter():
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams(max_tokens="8")
+    with pytest.raises(TypeError, match="temperature"):
+        SamplingParams(temperature="hot")
+
+
+def test_prompt_validation(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        llm.generate([[5] * 256], GREEDY)
+    with pytest.raises(ValueError, match=r"\[0, 512\)"):
+        llm.generate([[5, 9999]], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate("text needs a tokenizer", GREEDY)
+    assert not llm.engine.has_unfinished()  # nothing was queued by the failed calls
+
+
+def test_engine_option_validation():
+    with pytest.raises(TypeError, match="unknown engine option"):
+        EngineConfig.from_options(page_sise=16)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(preemption_mode="evict")
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        LLM("tiny-llama3", load_format="dummy", num_pages=4, max_model_len=256)
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("no-such-model", load_format="dummy")
+
+
+def test_bfloat16_runs(llm):
+    bf = LLM("tiny-llama3", **{**OPTS, "dtype": "bfloat16"})
+    assert bf.engine.runner.cache.k.dtype == jnp.bfloat16
+    out = bf.generate(prompts()[:2], GREEDY)
+    assert all(len(o.token_ids) == 24 for o in out)

@@ -1,0 +1,85 @@
+"""The on-device sampler against direct computations on the same logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.sampling import SamplingBatch, sample
+
+
+def batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0, presence=0.0, frequency=0.0,
+          pen=((0, 0, 0.0),)):
+    full = lambda v, dt: np.full(n, v, dt)
+    seeds = np.arange(n, dtype=np.uint32) if seed is None else full(seed, np.uint32)
+    rows, toks, counts = (np.asarray(x) for x in zip(*pen))
+    return SamplingBatch(full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
+                         full(min_p, np.float32), seeds, full(step, np.int32), full(presence, np.float32),
+                         full(frequency, np.float32), rows.astype(np.int32), toks.astype(np.int32),
+                         counts.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return jax.random.normal(jax.random.key(0), (4, 50), jnp.float32) * 3
+
+
+def test_greedy_is_argmax(logits):
+    out = sample(logits, batch(4, temperature=0.0))
+    np.testing.assert_array_equal(out.tokens, np.argmax(logits, -1))
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_filters_that_leave_one_token_are_greedy(logits, kw):
+    out = sample(logits, batch(4, **kw))
+    np.testing.assert_array_equal(out.tokens, np.argmax(logits, -1))
+
+
+def test_frequencies_match_softmax():
+    """Gumbel-max over many seeds draws from softmax(logits / T): compare empirical frequencies."""
+    n = 4000
+    row = jnp.asarray([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    probs = np.asarray(jax.nn.softmax(row / 0.7))
+    out = sample(jnp.tile(row, (n, 1)), batch(n, temperature=0.7))
+    freq = np.bincount(np.asarray(out.tokens), minlength=6) / n
+    # 4 standard errors of a binomial proportion: fails only if the sampler is biased.
+    np.testing.assert_array_less(np.abs(freq - probs), 4 * np.sqrt(probs * (1 - probs) / n) + 1e-3)
+
+
+def test_top_k_and_top_p_restrict_support():
+    n = 2000
+    row = jnp.asarray([3.0, 2.9, 2.8, 0.0, -1.0])
+    tk = np.asarray(sample(jnp.tile(row, (n, 1)), batch(n, top_k=2)).tokens)
+    assert set(tk.tolist()) == {0, 1}
+    p = np.asarray(jax.nn.softmax(row))
+    # top_p just above the top-2 mass keeps exactly three tokens.
+    tp = np.asarray(sample(jnp.tile(row, (n, 1)), batch(n, top_p=float(p[:2].sum()) + 1e-3)).tokens)
+    assert set(tp.tolist()) == {0, 1, 2}
+    mp = np.asarray(sample(jnp.tile(row, (n, 1)), batch(n, min_p=float(p[2] / p[0]) * 0.99)).tokens)
+    assert set(mp.tolist()) == {0, 1, 2}
+
+
+def test_seed_and_step_determine_the_draw(logits):
+    a = sample(logits, batch(4, seed=123, step=5)).tokens
+    b = sample(logits[::-1], batch(4, seed=123, step=5)).tokens[::-1]  # rows reordered in the batch
+    np.testing.assert_array_equal(a, b)
+    draws = {tuple(np.asarray(sample(logits, batch(4, seed=123, step=s)).tokens)) for s in range(8)}
+    assert len(draws) > 1
+
+
+def test_logprobs_are_those_of_the_raw_distribution(logits):
+    out = sample(logits, batch(4, temperature=0.5, seed=3), num_logprobs=5)
+    lp = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_allclose(out.logprobs, lp[np.arange(4), np.asarray(out.tokens)], rtol=1e-6)
+    np.testing.assert_array_equal(out.top_tokens, np.argsort(-lp, -1)[:, :5])
+    np.testing.assert_allclose(out.top_logprobs, -np.sort(-lp, -1)[:, :5], rtol=1e-6)
+
+
+def test_penalties_push_away_from_generated_tokens():
+    row = jnp.asarray([[2.0, 1.9, 0.0, -1.0]])
+    plain = sample(row, batch(1, temperature=0.0)).tokens
+    assert int(plain[0]) == 0
+    pen = batch(1, temperature=0.0, frequency=0.1, pen=((0, 0, 3.0),))  # 2.0 - 0.3 < 1.9
+    assert int(sample(row, pen, penalties=True).tokens[0]) == 1
+    pres = batch(1, temperature=0.0, presence=0.2, pen=((0, 0, 1.0),))  # 2.0 - 0.2 < 1.9
+    assert int(sample(row, pres, penalties=True).tokens[0]) == 1
