@@ -199,8 +199,9 @@ class LLMEngine:
             self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
                                                                   - seq.num_computed_tokens))
             seq.num_computed_tokens += n
-            seq.committed_pages, seq.committed_key = self.blocks.commit(
-                seq.page_table, seq.token_ids, seq.num_computed_tokens, seq.committed_pages, seq.committed_key)
+            if seq.num_computed_tokens // self.blocks.page_size > seq.committed_pages:  # a page filled up
+                seq.committed_pages, seq.committed_key = self.blocks.commit(
+                    seq.page_table, seq.token_ids, seq.num_computed_tokens, seq.committed_pages, seq.committed_key)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that is not the last: nothing sampled
             if seq.first_token_time is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import itertools
 import logging
 
@@ -75,55 +74,65 @@ class ModelRunner:
         return sample(logits, sb, num_logprobs=num_logprobs, penalties=penalties), cache
 
     def prepare(self, batch: ScheduledBatch):
-        """Host arrays for one step, padded to the smallest buckets that hold it."""
+        """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
+        sequences: this runs every step and must stay small next to the device step)."""
         ps = self.cache.page_size
-        n_real = sum(batch.num_tokens)
+        seqs, counts = batch.seqs, np.asarray(batch.num_tokens, np.int32)
+        n_seqs, n_real = len(seqs), int(counts.sum())
         t_pad = Buckets.pick(self.buckets.tokens, n_real)
-        s_pad = Buckets.pick(self.buckets.seqs, len(batch))
-        p_pad = Buckets.pick(self.buckets.pages, max(len(s.page_table) for s in batch.seqs))
+        s_pad = Buckets.pick(self.buckets.seqs, n_seqs)
+        p_pad = Buckets.pick(self.buckets.pages, max(len(s.page_table) for s in seqs))
+
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seqs)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        page_table = np.zeros((s_pad, p_pad), np.int32)
+        for i, s in enumerate(seqs):
+            page_table[i, :len(s.page_table)] = s.page_table
+        seq_of = np.repeat(np.arange(n_seqs, dtype=np.int32), counts)
+        pos = starts[seq_of] + np.arange(n_real, dtype=np.int32) - offsets[:-1][seq_of]
 
         tokens = np.zeros(t_pad, np.int32)
+        tokens[:n_real] = [t for s, st, n in zip(seqs, starts.tolist(), counts.tolist())
+                           for t in s.tokens_between(st, st + n)]
         positions = np.zeros(t_pad, np.int32)
+        positions[:n_real] = pos
         slots = np.full(t_pad, self.cache.num_pages * ps, np.int32)  # past the pool: writes dropped
-        page_table = np.zeros((s_pad, p_pad), np.int32)
+        slots[:n_real] = page_table[seq_of, pos // ps] * ps + pos % ps
         seq_lens = np.zeros(s_pad, np.int32)
+        seq_lens[:n_seqs] = starts + counts
         query_start = np.full(s_pad + 1, n_real, np.int32)
+        query_start[:n_seqs] = offsets[:-1]
         logits_idx = np.zeros(s_pad, np.int32)
-        f32 = functools.partial(np.zeros, s_pad, np.float32)
-        temperature, top_p, min_p, presence, frequency = f32(), f32() + 1, f32(), f32(), f32()
-        top_k, seeds, steps = np.zeros(s_pad, np.int32), np.zeros(s_pad, np.uint32), np.zeros(s_pad, np.int32)
-        pen_rows, pen_tokens, pen_counts = [], [], []
+        logits_idx[:n_seqs] = offsets[1:] - 1
+        md = BatchMetadata(slots, page_table, seq_lens, query_start, logits_idx)
 
-        off = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[off:off + n] = seq.token_ids[start:start + n]
-            positions[off:off + n] = pos
-            pt = np.asarray(seq.page_table, np.int32)
-            slots[off:off + n] = pt[pos // ps] * ps + pos % ps
-            page_table[i, :len(pt)] = pt
-            seq_lens[i] = start + n
-            query_start[i] = off
-            logits_idx[i] = off + n - 1
-            off += n
-            p = seq.params
-            temperature[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
-            seeds[i], steps[i] = seq.seed & 0xFFFFFFFF, len(seq.output_token_ids)
+        def column(values, dtype, fill=0):
+            out = np.full(s_pad, fill, dtype)
+            out[:n_seqs] = values
+            return out
+
+        params = [s.params for s in seqs]
+        pen_rows, pen_tokens, pen_counts = [], [], []
+        for i, (s, p) in enumerate(zip(seqs, params)):
             if p.presence_penalty or p.frequency_penalty:
-                presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
-                ids, counts = np.unique(np.asarray(seq.output_token_ids, np.int32), return_counts=True)
+                ids, c = np.unique(np.asarray(s.output_token_ids, np.int32), return_counts=True)
                 pen_rows += [i] * len(ids)
                 pen_tokens += ids.tolist()
-                pen_counts += counts.tolist()
-
+                pen_counts += c.tolist()
         k = Buckets.pick(powers_of_two(16, max(16, len(pen_rows))), max(1, len(pen_rows)))
-        pad = k - len(pen_rows)
-        sb = SamplingBatch(temperature, top_k, top_p, min_p, seeds, steps, presence, frequency,
-                           np.asarray(pen_rows + [0] * pad, np.int32), np.asarray(pen_tokens + [0] * pad, np.int32),
-                           np.asarray(pen_counts + [0] * pad, np.float32))
-        md = BatchMetadata(slots, page_table, seq_lens, query_start, logits_idx)
-        want_logprobs = any(s.params.logprobs is not None for s in batch.seqs)
+        pad = [0] * (k - len(pen_rows))
+        sb = SamplingBatch(
+            temperature=column([p.temperature for p in params], np.float32),
+            top_k=column([p.top_k for p in params], np.int32),
+            top_p=column([p.top_p for p in params], np.float32, 1.0),
+            min_p=column([p.min_p for p in params], np.float32),
+            seed=column([s.seed & 0xFFFFFFFF for s in seqs], np.uint32),
+            step=column([len(s.output_token_ids) for s in seqs], np.int32),
+            presence_penalty=column([p.presence_penalty for p in params], np.float32),
+            frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
+            penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
+            penalty_counts=np.asarray(pen_counts + pad, np.float32))
+        want_logprobs = any(p.logprobs is not None for p in params)
         return tokens, positions, md, sb, (self.max_logprobs if want_logprobs else 0), bool(pen_rows)
 
     def run(self, batch: ScheduledBatch) -> SampleResult:

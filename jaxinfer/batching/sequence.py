@@ -46,6 +46,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list (the hot path feeds one token)."""
+        lp = len(self.prompt_token_ids)
+        if start >= lp:
+            return self.output_token_ids[start - lp:end - lp]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - lp)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -1,0 +1,317 @@
+"""Offline benchmarks: jaxinfer against its ceilings and its peers, in one run (report ratios).
+
+Workloads (``--workload``):
+  offline     many requests with a length distribution: continuous batching vs static batching
+              (each batch waits for its longest request) vs transformers (padded static batch).
+  latency     batch 1, 128-token prompt, 256 new tokens: ms per token and fraction of the
+              memory-bandwidth limit (weights + KV read per step over the measured read bandwidth).
+  throughput  1000 requests x (512 random prompt + 256 output) tokens: output tok/s, MFU, TTFT/TPOT.
+  prefix      500 requests sharing a 1024-token system prompt + 64 unique: prefix caching on vs off.
+  hf          transformers generate at --hf_batch_sizes on the same config and weights (the peer).
+
+    python scripts/benchmark.py                                   # offline, embedded model, CPU
+    python scripts/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m", "Preset, HF directory or GGUF file.")
+flags.DEFINE_string("load_format", "auto", "'auto' or 'dummy' (random weights of the preset's shapes).")
+flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, hf.")
+flags.DEFINE_string("dtype", "auto", "auto, float32 or bfloat16.")
+flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
+flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
+flags.DEFINE_integer("throughput_requests", 1000, "throughput: number of requests.")
+flags.DEFINE_integer("throughput_max_num_seqs", 256, "throughput: max_num_seqs.")
+flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
+flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
+flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
+flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
+F = flags.FLAGS
+
+log = logging.getLogger("benchmark")
+
+
+# ------------------------------------------------------------------------------------ ceilings
+
+def read_bandwidth() -> float:
+    """Bytes/s of a large sum reduction: the practical ceiling for reading weights and KV."""
+    import jax
+    import jax.numpy as jnp
+    n = (4 << 30 if jax.default_backend() != "cpu" else 256 << 20) // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return x.nbytes / _best_time(lambda: f(x).block_until_ready())
+
+
+def matmul_rate() -> float:
+    """FLOP/s of a large square matmul in the engine's dtype on this device."""
+    import jax
+    import jax.numpy as jnp
+    gpu = jax.default_backend() != "cpu"
+    n, dt = (8192, jnp.bfloat16) if gpu else (1024, jnp.float32)
+    a = jax.random.normal(jax.random.key(0), (n, n), dt)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / _best_time(lambda: f(a, a).block_until_ready())
+
+
+def _best_time(fn, warmup=2, reps=10) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def make_llm(**options):
+    from jaxinfer import LLM
+    return LLM(F.model, load_format=F.load_format, dtype=F.dtype, **options)
+
+
+def random_prompts(rng, n, lengths, vocab):
+    return [rng.integers(10, vocab - 10, int(L)).tolist() for L in lengths]
+
+
+def run_requests(llm, prompts, max_tokens, warm=True):
+    """Submit everything at once; returns wall time and per-request TTFT / TPOT."""
+    from jaxinfer import SamplingParams
+    eng = llm.engine
+    t0 = time.perf_counter()
+    ids = []
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        rid = f"b{time.monotonic_ns()}-{i}"
+        eng.add_request(rid, p, SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True))
+        ids.append(rid)
+    first, last, count = {}, {}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            count[out.request_id] = len(out.token_ids)
+    wall = time.perf_counter() - t0
+    ttft = np.array([first[r] - t0 for r in ids])
+    tpot = np.array([(last[r] - first[r]) / max(1, count[r] - 1) for r in ids])
+    return wall, ttft, tpot, sum(count.values())
+
+
+def pct(x, q):
+    return float(np.percentile(x, q))
+
+
+# ------------------------------------------------------------------------------------ workloads
+
+def offline(results):
+    """Continuous vs static batching vs transformers on a length distribution (CPU-sized)."""
+    rng = np.random.default_rng(0)
+    n, b = F.num_requests, F.max_num_seqs
+    prompt_lens = rng.integers(16, 257, n)
+    out_lens = rng.integers(16, 257, n)
+    llm = make_llm(max_num_seqs=b, max_num_batched_tokens=512, max_model_len=1024,
+                   seq_buckets=tuple(sorted({1, 2, 4, 8, b})), page_buckets=(8, 16, 32, 64))
+    prompts = random_prompts(rng, n, prompt_lens, llm.engine.model_config.vocab_size)
+    useful = int(out_lens.sum())
+    # Warm the compiled shapes with a short pass so neither mode pays compilation.
+    run_requests(llm, prompts[:b], [4] * b)
+    run_requests(llm, prompts[:1], [4])
+
+    wall_c, ttft, tpot, produced = run_requests(llm, prompts, out_lens)
+    assert produced == useful, (produced, useful)
+    wall_s = 0.0
+    for i in range(0, n, b):  # static: every request of a batch runs as long as its longest
+        group = slice(i, i + b)
+        longest = int(out_lens[group].max())
+        wall_s += run_requests(llm, prompts[group], [longest] * len(prompts[group]))[0]
+    results["offline"] = dict(
+        requests=n, batch=b, useful_output_tokens=useful,
+        continuous_output_tok_s=useful / wall_c, static_output_tok_s=useful / wall_s,
+        continuous_vs_static=wall_s / wall_c, ttft_p50_s=pct(ttft, 50), tpot_p50_ms=pct(tpot, 50) * 1e3)
+    hf = hf_static(prompts, out_lens, b)
+    if hf:
+        results["offline"].update(hf_output_tok_s=useful / hf, continuous_vs_hf=hf / wall_c)
+
+
+def hf_static(prompts, out_lens, b):
+    """transformers, float32, the same GGUF, padded static batches (left padding): seconds."""
+    import torch
+    import transformers
+    from jaxinfer.models.weights import resolve_model
+    src = resolve_model(F.model)
+    if src.kind != "gguf":
+        return None
+    torch.set_num_threads(os.cpu_count())
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(src.path), gguf_file=os.path.basename(src.path), torch_dtype=torch.float32).eval()
+    total = 0.0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), b):
+            group = prompts[i:i + b]
+            longest_p = max(len(p) for p in group)
+            ids = torch.tensor([[0] * (longest_p - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (longest_p - len(p)) + [1] * len(p) for p in group])
+            new = int(out_lens[i:i + b].max())
+            t0 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+            total += time.perf_counter() - t0
+    del model
+    gc.collect()
+    return total
+
+
+def weight_bytes(llm) -> int:
+    import jax
+    return sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.weights))
+
+
+def latency(results, bw):
+    mc_llm = make_llm(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=512,
+                      token_buckets=(1, 128), seq_buckets=(1,), page_buckets=(32,))
+    warm = mc_llm.warmup()
+    rng = np.random.default_rng(1)
+    mc = mc_llm.engine.model_config
+    prompt = random_prompts(rng, 1, [128], mc.vocab_size)
+    run_requests(mc_llm, prompt, [8])
+    wall, ttft, tpot, n = run_requests(mc_llm, prompt, [256])
+    step = float(tpot[0])
+    kv_tok = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * mc_llm.engine.runner.cache.k.dtype.itemsize
+    read = weight_bytes(mc_llm) + kv_tok * (128 + 128)  # weights + average context read per step
+    results["latency"] = dict(ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3,
+                              bytes_per_step=read, bw_fraction=read / step / bw, warmup_s=warm)
+    del mc_llm
+    gc.collect()
+
+
+def throughput(results, flops):
+    import jax
+    n, seqs = F.throughput_requests, F.throughput_max_num_seqs
+    llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=2048, max_model_len=1024,
+                   token_buckets=(seqs, 512, 1024, 2048), seq_buckets=(seqs // 4, seqs), page_buckets=(64,))
+    warm = llm.warmup()
+    compiled = llm.engine.num_compilations
+    mc = llm.engine.model_config
+    rng = np.random.default_rng(2)
+    prompts = random_prompts(rng, n, [512] * n, mc.vocab_size)
+    wall, ttft, tpot, produced = run_requests(llm, prompts, [256] * n)
+    out_tok_s = produced / wall
+    flops_per_tok = 2 * (mc.num_params() - mc.vocab_size * mc.hidden_size * (not mc.tie_word_embeddings))
+    stats = llm.engine.stats()
+    dev = jax.devices()[0]
+    mem = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
+    results["throughput"] = dict(
+        requests=n, output_tok_s=out_tok_s, total_tok_s=(produced + 512 * n) / wall,
+        mfu=(produced + 512 * n) * flops_per_tok / wall / flops, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
+        tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3, peak_memory_gib=mem / 2**30,
+        kv_pages=stats["kv_pages_total"], page_size=16, warmup_s=warm,
+        compilations_after_warmup=llm.engine.num_compilations - compiled, preemptions=stats["preemptions"])
+    del llm
+    gc.collect()
+
+
+def prefix(results):
+    n = F.prefix_requests
+    rng = np.random.default_rng(3)
+    out = {}
+    for caching in (True, False):
+        llm = make_llm(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048,
+                       enable_prefix_caching=caching, token_buckets=(256, 512, 1024, 2048),
+                       seq_buckets=(64, 256), page_buckets=(128,))
+        llm.warmup()
+        mc = llm.engine.model_config
+        system = random_prompts(rng, 1, [1024], mc.vocab_size)[0]
+        prompts = [system + p for p in random_prompts(rng, n, [64] * n, mc.vocab_size)]
+        wall, _, _, produced = run_requests(llm, prompts, [128] * n)
+        out["on" if caching else "off"] = produced / wall
+        del llm
+        gc.collect()
+    results["prefix"] = dict(requests=n, on_output_tok_s=out["on"], off_output_tok_s=out["off"],
+                             speedup=out["on"] / out["off"])
+
+
+def hf_peer(results):
+    """transformers generate, bf16, same config, random weights, padded static batches on GPU."""
+    import torch
+    import transformers
+    from jaxinfer.models.config import PRESETS
+    cfg = transformers.LlamaConfig(**PRESETS[F.model].to_hf_config())
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    out = {}
+    for b in map(int, F.hf_batch_sizes):
+        ids = torch.randint(10, cfg.vocab_size - 10, (b, 512 if b > 1 else 128), device="cuda")
+        new = F.hf_new_tokens if b > 1 else 256
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(input_ids=ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(input_ids=ids, **kw)
+            torch.cuda.synchronize()
+        out[f"hf_bs{b}_output_tok_s"] = b * new / (time.perf_counter() - t0)
+        torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    results["hf"] = out
+
+
+# ------------------------------------------------------------------------------------ main
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=logging.WARNING)
+    results = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), model=F.model,
+                   load_format=F.load_format)
+    if "hf" in F.workload:  # before JAX takes the GPU
+        hf_peer(results)
+    import jax
+    results["device"] = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
+    results["host"] = platform.processor() or platform.machine()
+    bw, flops = read_bandwidth(), matmul_rate()
+    results["read_bandwidth_gb_s"], results["matmul_tflop_s"] = bw / 1e9, flops / 1e12
+    for w in F.workload:
+        if w == "offline":
+            offline(results)
+        elif w == "latency":
+            latency(results, bw)
+        elif w == "throughput":
+            throughput(results, flops)
+        elif w == "prefix":
+            prefix(results)
+        elif w != "hf":
+            raise app.UsageError(f"unknown workload {w!r}")
+    os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
+    with open(F.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print_table(results)
+
+
+def print_table(results):
+    print(f"\ndevice: {results['device']}  read bandwidth {results['read_bandwidth_gb_s']:.0f} GB/s  "
+          f"matmul {results['matmul_tflop_s']:.1f} TFLOP/s")
+    print(f"{'workload':<12} {'metric':<34} {'value':>12}")
+    for w in ("offline", "latency", "throughput", "prefix", "hf"):
+        for k, v in results.get(w, {}).items():
+            print(f"{w:<12} {k:<34} {v:>12.4g}" if isinstance(v, float) else f"{w:<12} {k:<34} {v:>12}")
+    print(f"(json: {F.out})")
+
+
+if __name__ == "__main__":
+    app.run(main)
