@@ -1,0 +1,80 @@
+"""Tokenizer loading, chat templates and incremental (streaming) detokenization."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Sequence
+
+from jaxinfer.models.weights import ModelSource, gguf_reader, read_gguf_metadata
+
+# Converted (orbax) directories keep the source's tokenizer here, written by convert_checkpoint.py.
+CONVERTED_TOKENIZER_DIR = "tokenizer"
+# A UTF-8 character is at most 4 bytes, so at most 4 tokens can be waiting for it to complete;
+# text still ending in U+FFFD after that many is genuinely invalid and is emitted as is.
+_MAX_PENDING_TOKENS = 4
+# Tokens of prompt context decoded with the first outputs, so e.g. SentencePiece's leading-space
+# handling matches what a whole-sequence decode would give.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+def load_tokenizer(source: ModelSource):
+    """A ``transformers`` tokenizer for ``source``, or None for a preset without files."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "preset":
+        return None
+    if source.kind == "hf":
+        return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    if source.kind == "orbax":
+        path = os.path.join(source.path, CONVERTED_TOKENIZER_DIR)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True) if os.path.isdir(path) else None
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path),
+                                        local_files_only=True)
+    if not tok.chat_template:
+        template = read_gguf_metadata(gguf_reader(source.path)).get("tokenizer.chat_template")
+        if template:
+            tok.chat_template = template
+    return tok
+
+
+def apply_chat_template(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template, ending in the assistant header."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer; this model has none (a preset without files)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} ({tokenizer.name_or_path!r}) has no chat "
+                         "template; pass plain prompts instead of messages")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    # The template already spells out BOS and role markers; adding special tokens would double BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas whose concatenation equals decoding all ids.
+
+    Only a short window is decoded per token: ids ``[prefix_offset:read_offset]`` were already
+    emitted and give the context; the delta is what decoding ``[prefix_offset:]`` adds to it. A
+    delta is held back while the text ends in U+FFFD, i.e. a multi-byte character split across
+    byte-fallback tokens is not complete yet.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids)
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(0, self.read_offset - _PROMPT_CONTEXT_TOKENS)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: int | Sequence[int]) -> str:
+        """Append one or more ids; return the newly completed text (possibly empty)."""
+        self.ids.extend([int(token_ids)] if isinstance(token_ids, numbers.Integral) else map(int, token_ids))
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        pending = len(self.ids) - self.read_offset
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and pending < _MAX_PENDING_TOKENS):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]

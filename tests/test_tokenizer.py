@@ -1,0 +1,64 @@
+"""Streaming detokenization and chat templates with SmolLM2's real (byte-level BPE) tokenizer."""
+
+import pytest
+
+from jaxinfer.models.weights import resolve_model
+from jaxinfer.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+
+TEXTS = [
+    "Hello, world! Plain ASCII with  double spaces.\n",
+    "Emoji: 😀🎉👩‍👩‍👧 and flags 🇫🇷🇯🇵.",
+    "中文和日本語のテキスト、한국어도。",
+    "Accents: café, naïve, Ångström, Đorđe, ñandú — “quotes” ½ €.",
+    "mixed😀中é\t\u00a0𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_round_trips(smollm2_tokenizer, text):
+    tok = smollm2_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    assert "\ufffd" in "".join(tok.decode([i]) for i in ids) or text.isascii()  # tokens really split chars
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert "".join(deltas) == text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenizer_with_prompt_and_specials(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    prompt = tok.encode("Say hi:", add_special_tokens=False)
+    out = tok.encode(" Hi 😀 there", add_special_tokens=False) + [tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add(i) for i in out[:3]] + [detok.add(out[3:])]  # one at a time, then several
+    assert "".join(deltas) == tok.decode(out, skip_special_tokens=True) == " Hi 😀 there"
+
+
+def test_invalid_utf8_is_emitted_not_held_forever(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    lone = tok.convert_tokens_to_ids("ð")  # byte 0xF0: starts a 4-byte sequence that never completes
+    a = tok.encode("a", add_special_tokens=False)[0]
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(lone) for _ in range(4)] + [detok.add(a)]
+    assert deltas[:3] == ["", "", ""] and deltas[3]  # held while it could still complete, then emitted
+    assert "".join(deltas) == tok.decode([lone] * 4 + [a], skip_special_tokens=True)
+
+
+def test_chat_template(smollm2_tokenizer):
+    ids = apply_chat_template(smollm2_tokenizer, [{"role": "user", "content": "What is 2+2?"}])
+    text = smollm2_tokenizer.decode(ids)
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids.count(smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
+
+
+def test_chat_template_errors(smollm2_tokenizer, monkeypatch):
+    monkeypatch.setattr(smollm2_tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="has no chat template"):
+        apply_chat_template(smollm2_tokenizer, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        apply_chat_template(None, [{"role": "user", "content": "hi"}])
+
+
+def test_preset_without_files_has_no_tokenizer():
+    assert load_tokenizer(resolve_model("tiny-llama3")) is None

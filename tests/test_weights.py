@@ -1,0 +1,160 @@
+"""Loaded weights must reproduce transformers' logits at every position of a prompt."""
+
+import functools
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from jaxinfer.models.config import PRESETS  # noqa: E402
+from jaxinfer.models.llama import forward  # noqa: E402
+from jaxinfer.models.weights import load_model, resolve_model, save_converted  # noqa: E402
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache  # noqa: E402
+
+PAGE_SIZE = 16
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _forward(weights, tokens, positions, cache, md, config):
+    return forward(weights, tokens, positions, cache, md, config)[0]
+
+
+def all_position_logits(config, weights, tokens) -> np.ndarray:
+    """Logits ``[T, V]`` of one sequence prefilled in a single step (logits_indices selects every row)."""
+    t = len(tokens)
+    pages = -(-t // PAGE_SIZE)
+    cache = KVCache.zeros(config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    md = BatchMetadata(
+        slot_mapping=jnp.arange(t, dtype=jnp.int32), page_table=jnp.arange(pages, dtype=jnp.int32)[None],
+        seq_lens=jnp.array([t], jnp.int32), query_start=jnp.array([0, t], jnp.int32),
+        logits_indices=jnp.arange(t, dtype=jnp.int32))
+    positions = jnp.arange(t, dtype=jnp.int32)
+    return np.asarray(_forward(weights, jnp.asarray(tokens, jnp.int32), positions, cache, md, config))
+
+
+def rel_err(got, ref) -> float:
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+def save_random_hf_llama(preset: str, path, **save_kwargs):
+    """A transformers Llama with O(1)-scaled random weights (the default 0.02 init makes attention
+    nearly uniform, which would hide RoPE / head-layout bugs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**PRESETS[preset].to_hf_config())).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("preset,save_kwargs", [
+    ("tiny-llama3", {"max_shard_size": "40KB"}),  # sharded, with index.json; Llama-3.1 rope scaling
+    ("tiny-llama-tied", {}),
+])
+def test_hf_safetensors_matches_transformers(tmp_path, preset, save_kwargs):
+    model = save_random_hf_llama(preset, tmp_path, **save_kwargs)
+    if save_kwargs:
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    tokens = np.random.default_rng(0).integers(0, PRESETS[preset].vocab_size, 80).tolist()
+    ref = hf_logits(model, tokens)
+    for loop in ("scan", "unroll"):
+        config, weights = load_model(str(tmp_path), layer_loop=loop)
+        assert config == PRESETS[preset].replace(layer_loop=loop)  # incl. rope_theta / rope scaling
+        assert (weights.lm_head is None) == PRESETS[preset].tie_word_embeddings
+        err = rel_err(all_position_logits(config, weights, tokens), ref)
+        print(f"{preset} {loop}: rel err {err:.2e}")
+        assert err < 1e-4
+
+
+def transformers_gguf_model(path: str):
+    """transformers' own GGUF conversion (dequantize + Q/K un-permute) as the oracle.
+
+    ``from_pretrained(gguf_file=...)`` would need ``accelerate``, not a dependency here, so this does
+    the same steps: config from the GGUF, then its converted tensors into a fresh model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                        local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_tokenizer):
+    from jaxinfer.tokenizer import apply_chat_template
+
+    source = resolve_model("smollm2-135m")
+    assert source.kind == "gguf" and source.path.endswith(".gguf")
+    tokens = apply_chat_template(smollm2_tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    config, weights = load_model("smollm2-135m")
+    assert config.tie_word_embeddings and weights.lm_head is None
+    got = all_position_logits(config, weights, tokens)
+    err = rel_err(got, hf_logits(transformers_gguf_model(source.path), tokens))
+    print(f"smollm2 gguf: rel err {err:.2e}")
+    assert err < 1e-4
+
+
+def test_dummy_weights_from_preset_and_from_files(tmp_path):
+    config, weights = load_model("tiny-llama3", load_format="dummy", dtype="bfloat16")
+    assert config == PRESETS["tiny-llama3"] and weights.embed.dtype == jnp.bfloat16
+    assert weights.layers.wqkv.shape == (config.num_layers, config.hidden_size, config.q_size + 2 * config.kv_size)
+    save_random_hf_llama("tiny-llama-tied", tmp_path)
+    config, weights = load_model(str(tmp_path), load_format="dummy", layer_loop="unroll")
+    assert config.hidden_size == PRESETS["tiny-llama-tied"].hidden_size and len(weights.layers) == config.num_layers
+
+
+@pytest.mark.parametrize("saved_loop,loaded_loop", [("scan", "scan"), ("scan", "unroll"), ("unroll", "scan")])
+def test_orbax_roundtrip(tmp_path, saved_loop, loaded_loop):
+    config, weights = load_model("tiny-llama3", load_format="dummy", seed=3, layer_loop=saved_loop)
+    save_converted(weights, config, str(tmp_path / "ckpt"))
+    assert resolve_model(str(tmp_path / "ckpt")).kind == "orbax"
+    config2, restored = load_model(str(tmp_path / "ckpt"), layer_loop=loaded_loop)
+    assert config2 == config.replace(layer_loop=loaded_loop)
+    _, expected = load_model("tiny-llama3", load_format="dummy", seed=3, layer_loop=loaded_loop)
+    assert jax.tree.structure(restored) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model 'no-such-model'.*tiny-llama3"):
+        load_model("no-such-model")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors weights"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ValueError, match=r"load_format must be one of .*'bogus'"):
+        load_model("tiny-llama3", load_format="bogus")
+    with pytest.raises(ValueError, match=r"preset 'llama3-8b' has no weights.*load_format='dummy'"):
+        load_model("llama3-8b")
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype"):
+        load_model("tiny-llama3", load_format="dummy", dtype="int32")
+
+
+def test_config_that_disagrees_with_tensors(tmp_path):
+    save_random_hf_llama("tiny-llama-tied", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=cfg["intermediate_size"] * 2)))
+    with pytest.raises(ValueError, match=r"do not match the model config: .*w_gate_up"):
+        load_model(str(tmp_path))
