@@ -88,7 +88,7 @@ class LLMEngine:
         cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, jnp.dtype(dtype))
         budget = config.max_num_batched_tokens
         buckets = Buckets(
-            tokens=config.token_buckets or powers_of_two(min(16, budget), budget),
+            tokens=config.token_buckets or powers_of_two(min(8, budget), budget),
             seqs=config.seq_buckets or powers_of_two(1, config.max_num_seqs),
             pages=config.page_buckets or powers_of_two(min(4, pages_per_seq), pages_per_seq))
         if buckets.tokens[-1] < budget or buckets.seqs[-1] < config.max_num_seqs or buckets.pages[-1] < pages_per_seq:

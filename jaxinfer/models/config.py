@@ -72,6 +72,11 @@ class ModelConfig:
                 path = os.path.join(path, "config.json")
             with open(path) as f:
                 cfg = json.load(f)
+        rope = cfg.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
+        if rope:
+            cfg = {**cfg, "rope_theta": cfg.get("rope_theta", rope.get("rope_theta", 10000.0))}
+            if rope.get("rope_type", "default") != "default":
+                cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if cfg.get("model_type", "llama") != "llama" and arch != "LlamaForCausalLM":
             raise ValueError(f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "

@@ -87,7 +87,7 @@ def load_config(source: ModelSource) -> ModelConfig:
         return PRESETS[source.preset]
     if source.kind == "hf":
         with open(os.path.join(source.path, "config.json")) as f:
-            return ModelConfig.from_hf_config(_legacy_rope_keys(json.load(f)))
+            return ModelConfig.from_hf_config(json.load(f))
     if source.kind == "gguf":
         return _gguf_config(gguf_reader(source.path))
     with open(os.path.join(source.path, CONVERTED_CONFIG)) as f:
@@ -118,19 +118,6 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     else:
         weights = _load_hf(source.path, config, dtype)
     return config, arrange_layers(weights, config)
-
-
-def _legacy_rope_keys(cfg: dict) -> dict:
-    """transformers >= 5 writes ``rope_theta`` and the scaling inside ``rope_parameters``; lift them
-    to the top-level ``rope_theta`` / ``rope_scaling`` keys that ``ModelConfig.from_hf_config`` reads."""
-    rope = cfg.get("rope_parameters")
-    if not rope:
-        return cfg
-    cfg = dict(cfg)
-    cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
-        cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
-    return cfg
 
 
 def _float_dtype(dtype) -> np.dtype:
