@@ -1,0 +1,240 @@
+"""Ragged paged attention for NVIDIA GPUs (Pallas, Triton backend), Hopper first.
+
+Backend choice. JAX 0.11 deprecates Pallas' Triton backend in favour of Mosaic GPU. We still use
+Triton here, deliberately:
+- It works on jax 0.11.2 + CUDA 13 on the H200 (checked), uses the tensor cores for ``jnp.dot``, pipelines loads
+  (``num_stages``) by itself; a decode kernel is memory-bound, so what matters is keeping many
+  page loads in flight, which Triton's occupancy plus pipelining gives without hand-written
+  barriers, while Mosaic GPU wants explicit TMA/mbarrier pipelines, warpgroup-shaped tiles
+  (64-row wgmma, which a 1-token decode of 4 heads cannot fill) and its API moves between releases.
+- It has an interpret mode on CPU, so this exact kernel is tested on the CPU-only CI machine.
+The choice sits behind ``get_attention("pallas_gpu")``; a Mosaic GPU kernel can replace it without
+touching callers. Revisit when the Triton backend is removed.
+
+Design, and why:
+- Sequences whose query count fits one small block (decodes; ``q_len * group <= 16`` rows) go to
+  a flash-decoding kernel: grid ``(seq, kv_head, kv_split)``. Each program walks its split's pages
+  with an online softmax and writes partial (acc, m, l); an XLA combine merges the splits. Splitting
+  the KV length is what lets a few long sequences still fill all SMs.
+- Longer query runs (prefill chunks) go to a prefill kernel: grid ``(query block, kv_head)``, a block
+  being up to ``rows // group`` tokens of one sequence against its pages, causal.
+- GQA: the rows of a program are (token, query head of the group); one K/V page load of a kv head
+  serves all of them in one matmul.
+- K/V are read in place from the stacked cache ``[layers, pages, page_size, kv_heads, D]`` at the
+  (traced or static) layer index; each page of one kv head is ``page_size`` rows of ``D`` contiguous
+  elements. No per-layer copy, no gather into a dense context.
+Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
+powers of two (Triton block shapes); head_dim 64 or 128.
+
+Where it stands (docs/benchmarks.md, H200, jax 0.11.2): decode 64 x 4096 ctx reads K/V at about
+2.7 TB/s, ~60% of the 4.5 TB/s measured read bandwidth; faster than the deprecated Pallas
+paged_attention op (1.9-2.0 TB/s) and the XLA reference (0.35 TB/s), short of the 80% target.
+Larger key blocks (several pages gathered per step), more splits, more warps/stages and an
+evict-first hint did not help; the next things to try are fewer partial-output bytes (the f32
+split partials are ~6% of the traffic) and a Mosaic GPU kernel with TMA page loads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.pallas_kernels._blocks import cdiv, query_blocks
+
+_MASK = -1e30  # finite, so fully masked rows never produce inf - inf
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo, blk_hi, *,
+                  kv_lo, kv_hi, page_size, block_k, scale, soft_cap, sliding_window, precision,
+                  evict_first=False):
+    """Online softmax of ``q [R, D]`` over key blocks ``blk_lo..blk_hi-1`` of ``block_k`` positions.
+
+    ``k_ref``/``v_ref`` are the cache viewed as ``[layers, pages * page_size, kv_heads, D]`` (a free
+    reshape). A block of one page is a strided slice; a block of several pages gathers its rows
+    through the page table, so the load size per step is independent of the page size.
+    Returns (acc, m, l): unnormalized output, running max and running sum per row.
+    """
+    rows, head_dim = q.shape
+    pages_per_seq = pt_ref.shape[1]
+
+    def body(i, carry):
+        acc, m, l = carry
+        if block_k == page_size:
+            start = pt_ref[seq, i] * page_size
+            hint = dict(eviction_policy="evict_first") if evict_first else {}  # K/V are read once
+            k = plgpu.load(k_ref.at[layer, pl.ds(start, page_size), kv_head, :], **hint)  # [block_k, D]
+            v = plgpu.load(v_ref.at[layer, pl.ds(start, page_size), kv_head, :], **hint)
+        else:
+            t = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+            slot = pt_ref[seq, jnp.minimum(t // page_size, pages_per_seq - 1)] * page_size + t % page_size
+            k = k_ref[layer, slot, kv_head, :]
+            v = v_ref[layer, slot, kv_head, :]
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        pos = jnp.broadcast_to(row_pos[:, None], (rows, block_k))
+        mask = (key_pos <= pos) & (key_pos >= kv_lo) & (key_pos < kv_hi)
+        if sliding_window is not None:
+            mask &= key_pos > pos - sliding_window
+        s = jnp.where(mask, s, _MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_new, l
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    return jax.lax.fori_loop(blk_lo, blk_hi, body, init)
+
+
+def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                   group, max_q, blocks_per_split, **attend_kw):
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, head_dim = o_ref.shape
+    block_k = attend_kw["block_k"]
+    q0 = qs_ref[s]
+    q_len = qs_ref[s + 1] - q0
+    seq_len = lens_ref[s]
+    active = (q_len > 0) & (q_len <= max_q)
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    row_ok = (r // group < q_len) & active
+    row_pos = seq_len - q_len + r // group
+    q = plgpu.load(q_ref.at[h, pl.ds(q0 * group, rows), :],
+                   mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)), other=0)
+
+    kv_hi = jnp.where(active, seq_len, 0)
+    window = attend_kw["sliding_window"]
+    kv_lo = 0 if window is None else jnp.maximum(seq_len - q_len - window + 1, 0)
+    blk_lo = jnp.maximum(split * blocks_per_split, kv_lo // block_k)
+    blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
+    acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
+                              kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
+                    q_ref, k_ref, v_ref, o_ref, *, group, rows, **attend_kw):
+    b, h = pl.program_id(0), pl.program_id(1)
+    head_dim = q_ref.shape[-1]
+    block_k = attend_kw["block_k"]
+    seq, tok0, ntok, pos0 = seq_ref[b], tok0_ref[b], ntok_ref[b], pos0_ref[b]
+    kv_lo, kv_hi = lo_ref[b], hi_ref[b]
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    row_ok = r // group < ntok
+    row_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
+    q = plgpu.load(q_ref.at[h, pl.ds(tok0 * group, rows), :], mask=row_mask, other=0)
+    acc, m, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
+                              kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    plgpu.store(o_ref.at[h, pl.ds(tok0 * group, rows), :], out.astype(o_ref.dtype), mask=row_mask)
+
+
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
+                           scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+                           num_splits: int | None = None, decode_block_k: int | None = None,
+                           decode_warps: int = 4, decode_stages: int = 2, decode_evict_first: bool = False,
+                           prefill_rows: int = 128, prefill_block_k: int | None = None,
+                           prefill_warps: int = 4, prefill_stages: int = 2,
+                           interpret: bool = False) -> jax.Array:
+    """Same contract as ``jaxinfer.paged.attention.ragged_paged_attention``; see the module docstring.
+
+    Tuning knobs (defaults from scripts/bench_kernels.py on an H200): ``num_splits`` (KV splits per
+    decode sequence; default: enough programs to fill the GPU), ``*_block_k`` (key positions per
+    loop step, a multiple of the page size or the page size itself), warps and pipeline stages.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_seqs, pages_per_seq = md.page_table.shape
+    dec_rows = max(16, _next_pow2(group))  # tl.dot wants >= 16 rows
+    max_q_dec = dec_rows // group
+    pre_rows = max(prefill_rows, _next_pow2(group))
+    ctx = pages_per_seq * page_size
+
+    def key_block(requested):
+        bk = page_size if requested is None else max(requested, page_size)
+        return min(bk, _next_pow2(ctx)) if bk % page_size == 0 else page_size
+
+    dec_bk, pre_bk = key_block(decode_block_k), key_block(prefill_block_k)
+    num_kv_blocks = cdiv(ctx, dec_bk)
+    if num_splits is None:
+        num_splits = max(1, min(num_kv_blocks, cdiv(4096, num_seqs * num_kv_heads)))
+    blocks_per_split = cdiv(num_kv_blocks, num_splits)
+    num_splits = cdiv(num_kv_blocks, blocks_per_split)
+
+    # Queries per kv head, rows ordered (token, head in group): [KVH, T*G + pad, D]. The pad keeps
+    # every block's row window in bounds (interpret mode clamps out-of-bounds slices).
+    pad = max(dec_rows, pre_rows)
+    qt = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qt = jnp.pad(qt.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, pad), (0, 0)))
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    page_table = jnp.clip(md.page_table, 0, num_pages - 1)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    attend_kw = dict(page_size=page_size, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                     precision=precision)
+    # Token-addressed view of the stacked cache (a free reshape): [layers, pages * page_size, kv_heads, D].
+    k_flat = k_cache.reshape(k_cache.shape[0], num_pages * page_size, num_kv_heads, head_dim)
+    v_flat = v_cache.reshape(k_flat.shape)
+
+    # Decode-shaped sequences: flash-decoding with KV splits, then combine.
+    part = (num_seqs, num_kv_heads, num_splits, dec_rows)
+    acc, m, l = pl.pallas_call(
+        functools.partial(_decode_kernel, group=group, max_q=max_q_dec, blocks_per_split=blocks_per_split,
+                          block_k=dec_bk, evict_first=decode_evict_first, **attend_kw),
+        grid=(num_seqs, num_kv_heads, num_splits),
+        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows, head_dim),
+                                lambda s, h, k: (s, h, k, 0, 0)),
+                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows), lambda s, h, k: (s, h, k, 0)),
+                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows), lambda s, h, k: (s, h, k, 0))],
+        out_shape=[jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
+        interpret=interpret,
+        name="paged_decode_gpu",
+    )(layer_arr, page_table, md.seq_lens, md.query_start, qt, k_flat, v_flat)
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)  # [S, KVH, splits, rows]
+    l_all = jnp.sum(w * l, axis=2)
+    dec = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    dec = dec[:, :, :max_q_dec * group].reshape(num_seqs, num_kv_heads, max_q_dec, group, head_dim)
+
+    # Prefill-shaped sequences: query blocks against their pages.
+    q_len = md.query_start[1:] - md.query_start[:-1]
+    is_prefill = q_len > max_q_dec
+    tq = pre_rows // group
+    blk = query_blocks(md, num_tokens, tq, include=is_prefill, sliding_window=sliding_window)
+    num_blocks = blk.seq.shape[0]
+    pre = pl.pallas_call(
+        functools.partial(_prefill_kernel, group=group, rows=pre_rows, block_k=pre_bk, **attend_kw),
+        grid=(num_blocks, num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
+        interpret=interpret,
+        name="paged_prefill_gpu",
+    )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, qt, k_flat, v_flat)
+    pre = pre[:, :num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+
+    # Each token takes its kernel's result; padding tokens get zeros.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(md.query_start[1:], t, side="right"), num_seqs - 1).astype(jnp.int32)
+    valid = t < md.query_start[-1]
+    dec_tok = dec[seq, :, jnp.clip(t - md.query_start[seq], 0, max_q_dec - 1)]  # [T, KVH, G, D]
+    out = jnp.where(is_prefill[seq][:, None, None, None], pre.astype(jnp.float32), dec_tok)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

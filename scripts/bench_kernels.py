@@ -1,0 +1,221 @@
+"""Time the attention kernels on the current device against its ceilings and peer implementations.
+
+Cases (defaults are the issue-5 shapes):
+- decode: 64 sequences x 4096 context, 32 q heads / 8 kv heads, head_dim 128, bf16, page_size 64,
+  pages scattered over the pool; reported as achieved HBM bandwidth = K/V bytes read / time.
+- prefill: 8 x 2048 causal (whole prompts as one chunk), same heads; reported as TFLOP/s
+  (4 * D * heads * sum over queries of visible keys).
+Ceilings measured in the same run: read bandwidth (sum over a multi-GB array) and the bf16 matmul
+rate (8192^3). Peers: our reference attention under jit (XLA gather + einsum), and the deprecated
+``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only; cache re-laid out for it, untimed).
+Timing: warm-up, then ``--reps`` repetitions of ``--inner`` back-to-back calls ending in
+block_until_ready; the median per call is reported. Prints a table, writes JSON to ``--out``.
+
+    PYTHONPATH=. python3 scripts/bench_kernels.py --out /tmp/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.paged.attention import ragged_paged_attention as reference
+from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.pallas_kernels import gpu
+
+
+def timeit(fn, *args, reps=7, inner=10):
+    """Median seconds per call of the jitted ``fn`` (warm, asynchronous dispatch within a repetition)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / inner)
+    return statistics.median(times)
+
+
+def make_case(rng, num_seqs, ctx, q_len, *, heads, kv_heads, head_dim, page_size, dtype, num_layers=2):
+    pages_per_seq = ctx // page_size
+    num_pages = num_seqs * pages_per_seq + 16
+    page_table = rng.permutation(num_pages)[:num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
+    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+    key = jax.random.key(0)
+    kc = jax.random.normal(key, shape, dtype)
+    vc = jax.random.normal(jax.random.fold_in(key, 1), shape, dtype)
+    num_tokens = num_seqs * q_len
+    q = jax.random.normal(jax.random.fold_in(key, 2), (num_tokens, heads, head_dim), dtype)
+    md = BatchMetadata(
+        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
+        page_table=jnp.asarray(page_table, jnp.int32),
+        seq_lens=jnp.full((num_seqs,), ctx, jnp.int32),
+        query_start=jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_len,
+        logits_indices=jnp.zeros((num_seqs,), jnp.int32),
+    )
+    return q, kc, vc, md
+
+
+def rel_err(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(name, results, fn):
+    try:
+        results[name] = fn()
+        print(f"  {name}: {results[name]}", flush=True)
+    except Exception as e:  # a failing peer must not hide the other numbers
+        results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        traceback.print_exc()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="kernels.json")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="also try other kernel configurations")
+    ap.add_argument("--small", action="store_true", help="tiny shapes, interpret mode off-GPU: a smoke test")
+    ap.add_argument("--only", choices=("all", "decode"), default="all",
+                    help="decode: only our default decode kernel (for a profiler)")
+    args = ap.parse_args()
+    small = args.small
+    interp = {} if jax.default_backend() == "gpu" else {"interpret": True}
+    tm = functools.partial(timeit, reps=args.reps, inner=args.inner)
+    dev = jax.devices()[0]
+    res = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__}
+    print(res, flush=True)
+    rng = np.random.default_rng(0)
+    heads, kv_heads, hd, ps, dt = 32, 8, 128, 64, jnp.bfloat16
+    scale = hd ** -0.5
+
+    def read_bw():
+        x = jax.random.normal(jax.random.key(1), (64 << 20 if small else 4 << 30) // 2, jnp.bfloat16)  # 4 GiB
+        f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+        t = tm(f, x)
+        return {"seconds": t, "TB/s": x.nbytes / t / 1e12}
+
+    def matmul():
+        n = 512 if small else 8192
+        a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
+        t = tm(jax.jit(jnp.matmul), a, b)
+        return {"seconds": t, "TFLOP/s": 2 * n ** 3 / t / 1e12}
+
+    if args.only == "all":
+        run("read_bandwidth", res, read_bw)
+        run("matmul_bf16_8192", res, matmul)
+
+    # ---- decode
+    S, ctx = (4, 256) if small else (64, 4096)
+    q, kc, vc, md = make_case(rng, S, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps, dtype=dt)
+    kv_bytes = 2 * S * ctx * kv_heads * hd * jnp.dtype(dt).itemsize
+    res["decode_case"] = dict(seqs=S, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
+                              dtype="bf16", kv_bytes=kv_bytes)
+    layer = jnp.int32(1)
+    ref_jit = jax.jit(functools.partial(reference, scale=scale))
+    ref_out = ref_jit(q, kc, vc, layer, md) if args.only == "all" else None
+
+    def ours(**cfg):
+        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp, **cfg))
+        err = rel_err(f(q, kc, vc, layer, md), ref_out) if ref_out is not None else None
+        t = tm(f, q, kc, vc, layer, md)
+        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": cfg}
+
+    run("decode_ours", res, ours)
+    if args.only == "decode":
+        return
+    if args.sweep:
+        for splits in (4, 8):
+            for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):
+                for evict in (False, True):
+                    cfg = dict(num_splits=splits, decode_warps=warps, decode_stages=stages, decode_evict_first=evict)
+                    run(f"decode_ours_s{splits}_w{warps}_st{stages}{'_ef' if evict else ''}", res,
+                        functools.partial(ours, **cfg))
+    run("decode_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md)),
+                                              "TB/s": kv_bytes / t / 1e12})
+
+    def old_pallas(**cfg):
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        kp = jnp.transpose(kc[1], (2, 0, 1, 3))  # [KVH, pages, page_size, D]
+        vp = jnp.transpose(vc[1], (2, 0, 1, 3))
+        f = jax.jit(functools.partial(paged_attention, **interp, **cfg))
+        err = rel_err(f(q * scale, kp, vp, md.page_table, md.seq_lens), ref_out)
+        t = tm(f, q * scale, kp, vp, md.page_table, md.seq_lens)
+        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": cfg}
+
+    run("decode_pallas_ops_gpu_paged_attention", res, old_pallas)
+    if args.sweep:
+        run("decode_pallas_ops_gpu_paged_attention_2", res,
+            functools.partial(old_pallas, pages_per_compute_block=4, k_splits=8, num_warps=4))
+    del kc, vc, ref_out
+
+    # ---- prefill
+    S, ctx = (2, 128) if small else (8, 2048)
+    q, kc, vc, md = make_case(rng, S, ctx, ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
+                              dtype=dt)
+    flops = 4 * hd * heads * S * (ctx * (ctx + 1) // 2)
+    res["prefill_case"] = dict(seqs=S, q_len=ctx, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                               page_size=ps, dtype="bf16", causal_flops=flops)
+    ref_out = ref_jit(q, kc, vc, layer, md)
+
+    def ours_pre(**cfg):
+        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp, **cfg))
+        err = rel_err(f(q, kc, vc, layer, md), ref_out)
+        t = tm(f, q, kc, vc, layer, md)
+        return {"seconds": t, "TFLOP/s": flops / t / 1e12, "rel_err": err, "cfg": cfg}
+
+    run("prefill_ours", res, ours_pre)
+    if args.sweep:
+        for bk in (64,):
+            for rows, warps, stages in ((128, 4, 2), (128, 4, 3)):
+                cfg = dict(prefill_block_k=bk, prefill_rows=rows, prefill_warps=warps, prefill_stages=stages)
+                run(f"prefill_ours_bk{bk}_r{rows}_w{warps}_st{stages}", res, functools.partial(ours_pre, **cfg))
+    run("prefill_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md, reps=3, inner=2)),
+                                               "TFLOP/s": flops / t / 1e12})
+
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print_table(res)
+
+
+def print_table(res):
+    def get(k, field):
+        v = res.get(k, {})
+        return v.get(field) if isinstance(v, dict) else None
+
+    print(f"\ndevice {res['device']}, jax {res['jax']}")
+    print(f"{'case':<48}{'ms':>9}{'rate':>14}{'rel_err':>10}")
+    for k, v in res.items():
+        if not isinstance(v, dict) or "seconds" not in v and "error" not in v:
+            continue
+        if "error" in v:
+            print(f"{k:<48}{'failed':>9}  {v['error'][:60]}")
+            continue
+        rate = f"{v['TB/s']:.2f} TB/s" if "TB/s" in v else f"{v['TFLOP/s']:.0f} TFLOP/s"
+        err = f"{v['rel_err']:.1e}" if v.get("rel_err") is not None else ""
+        print(f"{k:<48}{v['seconds'] * 1e3:>9.3f}{rate:>14}{err:>10}")
+    bw = get("read_bandwidth", "TB/s")
+    for case, field in (("decode_ours", "TB/s"), ("prefill_ours", "TFLOP/s")):
+        best = max(((v[field], k) for k, v in res.items() if k.startswith(case) and isinstance(v, dict)
+                    and field in v), default=None)
+        if best:
+            print(f"best {case}: {best[1]} {best[0]:.2f} {field}")
+    dec = [v["TB/s"] for k, v in res.items() if k.startswith("decode_ours") and isinstance(v, dict) and "TB/s" in v]
+    if bw and dec:
+        print(f"best decode: {max(dec):.2f} TB/s = {100 * max(dec) / bw:.0f}% of measured read bandwidth")
+
+
+if __name__ == "__main__":
+    main()

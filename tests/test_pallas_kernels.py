@@ -1,0 +1,146 @@
+"""Pallas attention kernels against the reference (jaxinfer.paged.attention).
+
+On CPU the TPU kernel and the GPU (Triton) kernel both run in Pallas interpret mode; on a GPU the
+GPU kernel runs natively (same cases); the native TPU case skips unless a TPU is present. Shapes are
+small because interpret mode is slow, but cover: decodes and (chunked) prefill in one batch, context
+lengths 1, page_size-1, page_size, page_size+1 and several pages, GQA 1/3/8, head_dim 64/128, page
+sizes 16..128, f32/bf16, pages scattered in the pool, soft-cap, sliding window, padding sequences
+and padding tokens (which must come out as zeros).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.paged.attention import ragged_paged_attention as reference
+from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.pallas_kernels import BACKENDS, get_attention
+from jaxinfer.pallas_kernels import gpu, tpu
+
+ON_GPU = jax.default_backend() == "gpu"
+ON_TPU = jax.default_backend() == "tpu"
+
+KERNELS = [
+    pytest.param(functools.partial(tpu.ragged_paged_attention, interpret=True), id="tpu_interpret"),
+    # Natively on a GPU; in interpret mode elsewhere (same kernel code, so CPU CI checks it too).
+    pytest.param(functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU),
+                 id="gpu" if ON_GPU else "gpu_interpret"),
+    pytest.param(tpu.ragged_paged_attention, id="tpu",
+                 marks=pytest.mark.skipif(not ON_TPU, reason="pallas_tpu needs a TPU (jax.default_backend() != 'tpu')")),
+]
+
+
+def make_batch(rng, seqs, *, page_size, num_kv_heads, head_dim, group, dtype, num_layers=2, pad_tokens=3,
+               pad_seqs=1):
+    """Random cache and queries for ``seqs`` = [(q_len, seq_len)], pages scattered over the pool."""
+    seqs = list(seqs) + [(0, 0)] * pad_seqs
+    pages_needed = [-(-ctx // page_size) for _, ctx in seqs]
+    pages_per_seq = max(pages_needed) + 1  # one spare column: page-table padding must be ignored
+    num_pages = sum(pages_needed) + 5
+    perm = rng.permutation(num_pages)
+    # Padding entries point at real (other sequences') pages, as a reused bucket would.
+    page_table = rng.integers(0, num_pages, (len(seqs), pages_per_seq)).astype(np.int32)
+    k = 0
+    for s, n in enumerate(pages_needed):
+        page_table[s, :n] = perm[k:k + n]
+        k += n
+    q_lens = np.array([ql for ql, _ in seqs], np.int32)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(query_start[-1]) + pad_tokens
+    md = BatchMetadata(
+        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
+        page_table=jnp.asarray(page_table),
+        seq_lens=jnp.asarray([ctx for _, ctx in seqs], jnp.int32),
+        query_start=jnp.asarray(query_start),
+        logits_indices=jnp.zeros((len(seqs),), jnp.int32),
+    )
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    kc = jnp.asarray(rng.standard_normal(shape), dtype)
+    vc = jnp.asarray(rng.standard_normal(shape), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
+    return q, kc, vc, md
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+CASES = {
+    # name: (seqs [(q_len, seq_len)], page_size, kv_heads, head_dim, group, dtype, soft_cap, window)
+    "mixed_f32_gqa3_d64": ([(1, 1), (1, 15), (1, 16), (1, 17), (1, 70), (5, 5), (9, 40)],
+                           16, 2, 64, 3, jnp.float32, None, None),
+    "mixed_bf16_gqa8_d128": ([(1, 31), (1, 33), (1, 130), (12, 12), (20, 64)],
+                             32, 1, 128, 8, jnp.bfloat16, None, None),
+    "gqa1_f32_d128_softcap_window": ([(1, 63), (1, 65), (2, 100), (17, 33)],
+                                     64, 2, 128, 1, jnp.float32, 3.0, 20),
+    "bf16_gqa3_page128_window": ([(1, 127), (1, 129), (40, 300)],
+                                 128, 1, 64, 3, jnp.bfloat16, 20.0, 50),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matches_reference(kernel, case):
+    seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = CASES[case]
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
+                               group=group, dtype=dtype)
+    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    layer = jnp.int32(1)  # traced, as inside the model's lax.scan over layers
+    with jax.default_matmul_precision("float32"):  # no TF32 in the oracle on GPU
+        ref = jax.jit(functools.partial(reference, **kw))(q, kc, vc, layer, md)
+    out = jax.jit(functools.partial(kernel, **kw))(q, kc, vc, layer, md)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    n_real = int(md.query_start[-1])
+    assert not out[n_real:].any(), "padding tokens must produce zeros"
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel_err(out[:n_real], np.asarray(ref.astype(jnp.float32))[:n_real]) < tol
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_static_layer_and_decode_only(kernel):
+    """A Python-int layer (the unrolled loop) and a pure decode batch of long sequences."""
+    rng = np.random.default_rng(7)
+    q, kc, vc, md = make_batch(rng, [(1, 200), (1, 257), (1, 3)], page_size=16, num_kv_heads=2, head_dim=64,
+                               group=4, dtype=jnp.float32, pad_tokens=0)
+    with jax.default_matmul_precision("float32"):
+        ref = reference(q, kc, vc, 0, md, scale=0.125)
+    out = jax.jit(lambda q, k, v, md: kernel(q, k, v, 0, md, scale=0.125))(q, kc, vc, md)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["mixed_f32_gqa3_d64", "mixed_bf16_gqa8_d128"])
+def test_gpu_multi_page_key_blocks(case):
+    """The GPU kernel's key blocks spanning several pages (rows gathered via the page table) and
+    explicit KV splits."""
+    seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = CASES[case]
+    rng = np.random.default_rng(3)
+    q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
+                               group=group, dtype=dtype)
+    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    with jax.default_matmul_precision("float32"):
+        ref = reference(q, kc, vc, 1, md, **kw)
+    kernel = functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU, num_splits=2,
+                               decode_block_k=4 * page_size, prefill_block_k=2 * page_size, **kw)
+    out = jax.jit(kernel)(q, kc, vc, jnp.int32(1), md)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) < tol
+
+
+def test_get_attention():
+    assert get_attention("reference") is reference
+    for name in BACKENDS:
+        assert callable(get_attention(name))
+    if jax.default_backend() == "cpu":
+        assert get_attention("auto") is reference
+    with pytest.raises(ValueError, match="pallas_gpu"):
+        get_attention("cuda")
