@@ -1,0 +1,6 @@
+"""An OpenAI-compatible HTTP server around ``LLMEngine`` (see ``scripts/serve.py``)."""
+
+from jaxinfer.server.app import create_app
+from jaxinfer.server.async_engine import AsyncEngine
+
+__all__ = ["AsyncEngine", "create_app"]

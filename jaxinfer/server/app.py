@@ -1,0 +1,111 @@
+"""The FastAPI app: routing, auth, body limits, and one error shape for every failure.
+
+Bodies are read and parsed here rather than by FastAPI's injection, so oversized, malformed and
+wrong-typed bodies all get OpenAI-style errors (413/400) instead of framework defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.metrics import CONTENT_TYPE
+from jaxinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from jaxinfer.server.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+
+def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
+               max_request_bytes: int = 1 << 20, shutdown_timeout: float = 30.0) -> FastAPI:
+    """An app that starts ``engine``'s thread on startup and stops it on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        if not await asyncio.to_thread(engine.shutdown, shutdown_timeout):
+            log.warning("the engine thread did not stop within %.0fs", shutdown_timeout)
+
+    app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    serving = OpenAIServing(engine, served_model_name)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404
+                                     else None).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request) -> None:
+        """Checked in each /v1 route (not a BaseHTTPMiddleware, which would wrap streams and disconnects)."""
+        if not api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def body(request: Request) -> bytes:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_request_bytes:
+            raise APIError(413, f"request body is {length} bytes; the limit is {max_request_bytes}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise APIError(413, f"request body exceeds the limit of {max_request_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        return await serving.completions(parse(CompletionRequest, await body(request)), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        return await serving.chat(parse(ChatCompletionRequest, await body(request)), request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "jaxinfer"}
+        if engine.engine is not None:
+            card["max_model_len"] = engine.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if engine.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "warming up"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,291 @@
+"""/v1/completions and /v1/chat/completions: requests -> engine sub-requests -> OpenAI response shapes.
+
+Everything that can be wrong with a request is checked before anything is queued, so a bad
+request costs no engine work and a streamed response never starts only to fail on its input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxinfer.batching.engine import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.async_engine import AsyncEngine, Submission
+from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_text, check_supported,
+                                      sampling_params)
+from jaxinfer.tokenizer import apply_chat_template
+
+
+@dataclasses.dataclass
+class _Job:
+    """A validated request: one (prompt ids, params) pair per choice, in choice-index order."""
+
+    prompts: list[list[int]]  # distinct prompts
+    choice_prompts: list[list[int]]
+    params: list[SamplingParams]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    # ------------------------------------------------------------------------------- endpoints
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        self._check_common(req)
+        raw = [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else list(req.prompt)
+        if not raw:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        prompts = [self._encode(p, "prompt") for p in raw]
+        job = self._job(req, prompts, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set,
+                        logprobs=req.logprobs)
+        render = _CompletionRenderer(self, req)
+        return await self._respond(req, job, "cmpl", render, request)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self._check_common(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions with "
+                                "token ids", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": chat_text(m)}
+                    for m in req.messages]
+        if not any(m["content"] for m in messages):
+            raise APIError(400, "messages must contain some text", param="messages")
+        try:
+            ids = apply_chat_template(tokenizer, messages)
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are the caller's
+            raise APIError(400, f"messages could not be rendered with the chat template: {e}",
+                           param="messages") from None
+        prompt = self._encode(ids, "messages")
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        job = self._job(req, [prompt], max_tokens, name, explicit=True, logprobs=logprobs,
+                        logprobs_param="top_logprobs")
+        render = _ChatRenderer(self, req)
+        return await self._respond(req, job, "chatcmpl", render, request)
+
+    # ------------------------------------------------------------------------------ validation
+
+    def _check_common(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        check_supported(req)
+        if not self.engine.ready.is_set():
+            raise APIError(503, "the server is still warming up; retry when /health answers 200",
+                           type="server_error", code="warming_up")
+
+    def _encode(self, prompt, param: str) -> list[int]:
+        try:
+            return self.engine.engine.encode(prompt)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{param}: {e}", param=param,
+                           code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
+
+    def _job(self, req, prompts: list[list[int]], max_tokens: int | None, max_tokens_param: str, *,
+             explicit: bool, logprobs: int | None, logprobs_param: str = "logprobs") -> _Job:
+        """Without max_tokens a request may use the rest of the context; a default (not an explicit
+        value) is clipped to it, while an explicit value that does not fit is an error."""
+        limit = self.engine.engine.max_model_len
+        choice_prompts, params = [], []
+        for ids in prompts:
+            room = limit - len(ids)
+            want = room if max_tokens is None else max_tokens if explicit else min(max_tokens, room)
+            base = sampling_params(req, want, logprobs,
+                                   renames={"logprobs": logprobs_param, "max_tokens": max_tokens_param})
+            if len(ids) + want > limit:
+                raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                                    f"{len(ids)} tokens and {max_tokens_param} is {want} ({len(ids) + want} in "
+                                    "total); shorten the prompt or lower " + max_tokens_param,
+                               param=max_tokens_param, code="context_length_exceeded")
+            for j in range(req.n):
+                seed = None if base.seed is None else (base.seed + j) % 2**63
+                params.append(dataclasses.replace(base, seed=seed) if j else base)
+                choice_prompts.append(ids)
+        return _Job(prompts, choice_prompts, params)
+
+    # -------------------------------------------------------------------------------- responses
+
+    async def _respond(self, req, job: _Job, kind: str, render, request: Request) -> Response:
+        sub = self.engine.submit(f"{kind}-{uuid.uuid4().hex[:16]}", job.choice_prompts, job.params)
+        index = {rid: i for i, rid in enumerate(sub.request_ids)}
+        release = lambda: self.engine.release(sub)  # noqa: E731
+        if req.stream:
+            body = self._stream(sub, index, job, render, request,
+                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+            return _EventStream(body, release)
+        try:
+            finals: dict[int, RequestOutput] = {}
+            async with contextlib.aclosing(_outputs(sub, request)) as outputs:
+                async for out in outputs:
+                    if out.finished:
+                        finals[index[out.request_id]] = out
+            if not sub.done:
+                return Response(status_code=499)  # the client is gone; nobody reads this
+        finally:
+            release()
+        choices = [render.choice(i, finals[i]) for i in range(len(finals))]
+        return JSONResponse({"id": sub.request_ids[0].rsplit("-", 1)[0], "object": render.object,
+                             "created": int(time.time()), "model": self.model_name, "choices": choices,
+                             "usage": _usage(job, finals.values())})
+
+    async def _stream(self, sub: Submission, index: dict[str, int], job: _Job, render, request: Request, *,
+                      include_usage: bool) -> AsyncIterator[str]:
+        rid = sub.request_ids[0].rsplit("-", 1)[0]
+        created = int(time.time())
+
+        def event(choices: list[dict], usage=None) -> str:
+            chunk = {"id": rid, "object": render.chunk_object, "created": created, "model": self.model_name,
+                     "choices": choices}
+            if include_usage:
+                chunk["usage"] = usage
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        finals: list[RequestOutput] = []
+        try:
+            for i in range(len(sub.request_ids)):
+                first = render.first_chunk(i)
+                if first is not None:
+                    yield event([first])
+            async with contextlib.aclosing(_outputs(sub, request)) as outputs:
+                async for out in outputs:
+                    if out.finished:
+                        finals.append(out)
+                    if out.delta_text or out.finished or (out.logprobs is not None and out.delta_token_ids):
+                        yield event([render.delta(index[out.request_id], out)])
+            if include_usage and sub.done:
+                yield event([], _usage(job, finals))
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that releases its submission however it ends: finished, client gone, or cancelled
+    (an abandoned body generator would otherwise keep its requests running until garbage collection)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+async def _outputs(sub: Submission, request: Request) -> AsyncIterator[RequestOutput]:
+    """The submission's outputs until all sub-requests finish, or until the client disconnects."""
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        while not sub.done:
+            nxt = asyncio.ensure_future(sub.next())
+            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                return
+            yield nxt.result()
+    finally:
+        gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(job: _Job, finals) -> dict:
+    prompt = sum(len(p) for p in job.prompts)
+    completion = sum(len(o.token_ids) for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _is_ids(prompt) -> bool:
+    return all(isinstance(t, int) for t in prompt)  # [] too: one empty prompt, rejected by encode
+
+
+class _Renderer:
+    def __init__(self, serving: OpenAIServing, req):
+        tok = serving.engine.engine.tokenizer
+        self._decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: f"<{t}>")
+        self.req = req
+
+    def first_chunk(self, i: int) -> dict | None:
+        return None
+
+
+class _CompletionRenderer(_Renderer):
+    object, chunk_object = "text_completion", "text_completion"
+
+    def __init__(self, serving, req):
+        super().__init__(serving, req)
+        self._offsets: dict[int, int] = {}  # streamed characters so far, for text_offset
+
+    def choice(self, i: int, out: RequestOutput) -> dict:
+        return {"index": i, "text": out.text, "logprobs": self._logprobs(i, out.token_ids, out.logprobs),
+                "finish_reason": out.finish_reason}
+
+    def delta(self, i: int, out: RequestOutput) -> dict:
+        lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
+        return {"index": i, "text": out.delta_text, "logprobs": self._logprobs(i, out.delta_token_ids, lps),
+                "finish_reason": out.finish_reason}
+
+    def _logprobs(self, i: int, ids: list[int], lps) -> dict | None:
+        if lps is None:
+            return None
+        tokens = [self._decode(t) for t in ids]
+        offsets, pos = [], self._offsets.get(i, 0)
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        self._offsets[i] = pos
+        return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(ids, lps)],
+                "top_logprobs": [{self._decode(k): v for k, v in lp.items()} for lp in lps], "text_offset": offsets}
+
+
+class _ChatRenderer(_Renderer):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def choice(self, i: int, out: RequestOutput) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": out.text},
+                "logprobs": self._logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
+
+    def first_chunk(self, i: int) -> dict:
+        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, i: int, out: RequestOutput) -> dict:
+        lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
+        return {"index": i, "delta": {"content": out.delta_text} if out.delta_text else {},
+                "logprobs": self._logprobs(out.delta_token_ids, lps), "finish_reason": out.finish_reason}
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        s = self._decode(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+    def _logprobs(self, ids: list[int], lps) -> dict | None:
+        if lps is None:
+            return None
+        k = self.req.top_logprobs or 0
+        content = []
+        for t, lp in zip(ids, lps):
+            items = list(lp.items())
+            top = items[1:] if len(items) > k else items  # the sampled token leads unless it is in the top k
+            top.sort(key=lambda kv: -kv[1])
+            content.append({**self._entry(t, lp[t]), "top_logprobs": [self._entry(a, b) for a, b in top]})
+        return {"content": content}

@@ -1,0 +1,329 @@
+"""The OpenAI-compatible server over real HTTP: a real scripts/serve.py process per fixture.
+
+SmolLM2-135M answers the correctness tests (small limits and few buckets keep its warm-up short);
+a tiny random model, which starts in seconds, answers auth, queue-full and SIGTERM.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxinfer.tokenizer import apply_chat_template
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "smollm2-135m"
+SMOLLM2_ARGS = ["--max_num_seqs=8", "--max_num_batched_tokens=64", "--max_model_len=512", "--token_buckets=8,64",
+                "--seq_buckets=8", "--page_buckets=8,32", "--max_waiting=64", "--max_request_bytes=65536"]
+TINY_ARGS = ["--model=tiny-llama3", "--load_format=dummy", "--max_num_seqs=1", "--max_num_batched_tokens=16",
+             "--max_model_len=256", "--max_waiting=1", "--api_key=sekret", "--shutdown_timeout=20"]
+
+
+class Server:
+    def __init__(self, args, startup_timeout=300):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "scripts/serve.py", f"--port={self.port}", *args], cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited early:\n{self.tail()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise AssertionError(f"server not healthy after {startup_timeout}s:\n{self.tail()}")
+
+    def tail(self, n=4000):
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log.name)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(SMOLLM2_ARGS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    srv = Server(TINY_ARGS, startup_timeout=120)
+    yield srv
+    srv.stop()
+
+
+def metrics(url) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(r"^(jaxinfer_\w+) (\S+)$", text, re.M)}
+
+
+def post(url, path, body=None, content=None, **kw):
+    return httpx.post(f"{url}{path}", json=body, content=content, timeout=120, **kw)
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+
+
+# --------------------------------------------------------------------------------- SmolLM2 server
+
+
+def test_health_models_and_warmup(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 512
+    assert "ready in" in server.tail(100_000)
+
+
+def test_openai_client_completions(client, smollm2_tokenizer):
+    prompt = PROMPTS[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage.prompt_tokens == len(smollm2_tokenizer.encode(prompt))
+    assert out.usage.completion_tokens == 12 and out.usage.total_tokens == out.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == out.usage.model_dump()
+
+
+def test_openai_client_chat(client, smollm2_tokenizer):
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=24, temperature=0)
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert out.usage.prompt_tokens == len(apply_chat_template(smollm2_tokenizer, CHAT))
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_logprobs_and_stop(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens == 8
+    assert all(len(top) >= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    # Greedy: the sampled token is the most likely one.
+    assert all(c.token == c.top_logprobs[0].token for c in content)
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text
+    stop = full.split()[1]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[:full.index(stop)]
+
+
+def test_n_and_seed(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3)
+    a = client.completions.create(seed=7, **kw)
+    b = client.completions.create(seed=7, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 24
+    unseeded = client.completions.create(**kw)
+    assert len({c.text for c in unseeded.choices}) > 1
+
+
+def test_concurrent_streams_match_alone(server, client):
+    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+             for p in PROMPTS}
+
+    async def one(http, prompt):
+        text, done = "", False
+        body = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return prompt, text, done
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            return await asyncio.gather(*(one(http, PROMPTS[i % len(PROMPTS)]) for i in range(32)))
+
+    for prompt, text, done in asyncio.run(run()):
+        assert done and text == alone[prompt], prompt
+
+
+def test_disconnects_free_pages(server):
+    body = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, stream=True, ignore_eos=True)
+    generated = metrics(server.url)["jaxinfer_generation_tokens_total"]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(3):
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                next(r.iter_lines())  # one chunk, then hang up
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+            http.post("/v1/completions", json={**body, "stream": False}, timeout=2)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(server.url)
+        if m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0, m
+    assert m["jaxinfer_num_requests_waiting"] == 0
+    # The 4 requests of 400 tokens were cut short.
+    assert m["jaxinfer_generation_tokens_total"] - generated < 400
+
+
+BAD = [
+    # (path, body or raw bytes, status, param, words the message must contain)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None, "not valid JSON"),
+    ("/v1/completions", b'[1, 2]', 400, None, "JSON object"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "string"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 400, "model", "gpt-9"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": "hi " * 600}, 400, "prompt", "512"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", "600"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p", "min_p"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -9}, 400, "frequency_penalty", "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
+    ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 5}, 400, "top_p", "top_p"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "role"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 1000}, 400, "max_completion_tokens", "512"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs", "20"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 3}, 400, "logprobs", "bool"),
+    ("/v1/completions", {"prompt": "x" * 70000}, 413, None, "limit"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input(server, path, body, status, param, words):
+    raw = body if isinstance(body, bytes) else None
+    r = post(server.url, path, None if raw else body, content=raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    assert words.lower() in err["message"].lower(), err
+
+
+def test_still_correct_after_bad_input(server, client):
+    first = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0).choices[0].text
+    post(server.url, "/v1/completions", content=b"{nope")
+    post(server.url, "/v1/completions", {"prompt": "hi", "top_p": 7})
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0).choices[0].text
+    assert again == first
+    assert httpx.get(f"{server.url}/v1/nope").status_code == 404
+
+
+def test_metrics(server):
+    shared = "Here is a long preamble that every request repeats word for word. " * 4
+    for question in ("Why?", "How?"):
+        assert post(server.url, "/v1/completions", {"prompt": shared + question, "max_tokens": 2}).status_code == 200
+    m = metrics(server.url)
+    for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total"):
+        assert m[f"jaxinfer_{name}"] > 0, name
+    for name in ("num_requests_preempted", "kv_cache_usage_ratio", "prefix_cache_hit_rate", "preemptions_total"):
+        assert f"jaxinfer_{name}" in m
+    assert m["jaxinfer_prefix_cache_hits_total"] > 0 and m["jaxinfer_prefix_cache_hit_rate"] > 0
+
+
+# ------------------------------------------------------------------------------------ tiny server
+
+
+def test_api_key(tiny):
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        r = post(tiny.url, "/v1/completions", body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{tiny.url}/v1/models").status_code == 401
+    assert httpx.get(f"{tiny.url}/health").status_code == 200
+    r = post(tiny.url, "/v1/completions", body, headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_queue_full_answers_503(tiny):
+    body = {"prompt": [1, 2, 3], "max_tokens": 240, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=tiny.url, headers={"Authorization": "Bearer sekret"},
+                                     timeout=120) as http:
+            async def one():
+                t0 = time.monotonic()
+                r = await http.post("/v1/completions", json=body)
+                return r, time.monotonic() - t0
+            return await asyncio.gather(*(one() for _ in range(6)))
+
+    results = asyncio.run(run())
+    codes = sorted(r.status_code for r, _ in results)
+    assert 200 in codes and 503 in codes and set(codes) <= {200, 503}, codes
+    for r, seconds in results:
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "queue_full" and "max_waiting=1" in r.json()["error"]["message"]
+            assert seconds < 1.0
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 240
+
+
+def test_sigterm_finishes_running_and_exits_0(tiny):
+    # logprobs: a chunk per token (this model has no tokenizer, so no text to stream).
+    body = {"prompt": [1, 2, 3], "max_tokens": 240, "ignore_eos": True, "stream": True, "logprobs": 0}
+    with httpx.Client(base_url=tiny.url, headers={"Authorization": "Bearer sekret"}, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            tiny.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert len(events) > 100 and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert tiny.proc.wait(60) == 0, tiny.tail()
+    assert "Finished server process" in tiny.tail()
