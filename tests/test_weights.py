@@ -83,26 +83,7 @@ def test_hf_safetensors_matches_transformers(tmp_path, preset, save_kwargs):
         assert err < 1e-4
 
 
-def transformers_gguf_model(path: str):
-    """transformers' own GGUF conversion (dequantize + Q/K un-permute) as the oracle.
-
-    ``from_pretrained(gguf_file=...)`` would need ``accelerate``, not a dependency here, so this does
-    the same steps: config from the GGUF, then its converted tensors into a fresh model.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                        local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model
-
-
-def test_smollm2_gguf_matches_transformers(smollm2_tokenizer):
+def test_smollm2_gguf_matches_transformers(smollm2_tokenizer, smollm2_hf):
     from jaxinfer.tokenizer import apply_chat_template
 
     source = resolve_model("smollm2-135m")
@@ -111,7 +92,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_tokenizer):
     config, weights = load_model("smollm2-135m")
     assert config.tie_word_embeddings and weights.lm_head is None
     got = all_position_logits(config, weights, tokens)
-    err = rel_err(got, hf_logits(transformers_gguf_model(source.path), tokens))
+    err = rel_err(got, hf_logits(smollm2_hf, tokens))
     print(f"smollm2 gguf: rel err {err:.2e}")
     assert err < 1e-4
 
