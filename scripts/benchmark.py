@@ -38,6 +38,7 @@ flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
 flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
 flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
 flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
+flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (shared by the runs).")
 F = flags.FLAGS
 
 log = logging.getLogger("benchmark")
@@ -81,7 +82,8 @@ def _best_time(fn, warmup=2, reps=10) -> float:
 
 def make_llm(**options):
     from jaxinfer import LLM
-    return LLM(F.model, load_format=F.load_format, dtype=F.dtype, **options)
+    return LLM(F.model, load_format=F.load_format, dtype=F.dtype, compilation_cache_dir=F.compilation_cache_dir,
+               **options)
 
 
 def random_prompts(rng, n, lengths, vocab):
@@ -200,7 +202,7 @@ def throughput(results, flops):
     import jax
     n, seqs = F.throughput_requests, F.throughput_max_num_seqs
     llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=2048, max_model_len=1024,
-                   token_buckets=(seqs, 512, 1024, 2048), seq_buckets=(seqs // 4, seqs), page_buckets=(64,))
+                   token_buckets=(seqs, 1024, 2048), seq_buckets=(seqs,), page_buckets=(64,))
     warm = llm.warmup()
     compiled = llm.engine.num_compilations
     mc = llm.engine.model_config
@@ -228,8 +230,8 @@ def prefix(results):
     out = {}
     for caching in (True, False):
         llm = make_llm(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048,
-                       enable_prefix_caching=caching, token_buckets=(256, 512, 1024, 2048),
-                       seq_buckets=(64, 256), page_buckets=(128,))
+                       enable_prefix_caching=caching, token_buckets=(256, 1024, 2048),
+                       seq_buckets=(256,), page_buckets=(128,))
         llm.warmup()
         mc = llm.engine.model_config
         system = random_prompts(rng, 1, [1024], mc.vocab_size)[0]

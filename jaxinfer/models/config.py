@@ -199,7 +199,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-llama3": ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), max_position_embeddings=1024,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), max_position_embeddings=2048,
         bos_token_id=1, eos_token_ids=(2,)),
     "tiny-llama-tied": ModelConfig(
         vocab_size=384, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=6,

@@ -54,9 +54,15 @@ def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
     return dataclasses.replace(weights, layers=layers)
 
 
+def _precision(dtype):
+    # float32 means float32: GPUs would otherwise run it as TF32 and drift from the CPU/oracle result.
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later."""
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                      precision=_precision(x.dtype)).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -131,7 +137,8 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
                                         (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
     x = rms_norm(x[md.logits_indices], weights.final_norm, config.rms_norm_eps)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
+                        precision=_precision(x.dtype))
     return logits, kv_cache
 
 

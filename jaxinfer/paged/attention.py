@@ -62,7 +62,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     def attend(args):
         qb, sb, pb, vb = args  # [B, KVH, G, D], [B], [B], [B]
         kb, vvb = k_seq[sb], v_seq[sb]  # [B, ctx, KVH, D]
-        s = jnp.einsum("bkgd,bckd->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32)) * scale
+        s = jnp.einsum("bkgd,bckd->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_pos[None, :] <= pb[:, None]
@@ -73,7 +74,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum("bkgc,bckd->bkgd", p, vvb.astype(jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
+        out = jnp.einsum("bkgc,bckd->bkgd", p, vvb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        out = out / jnp.where(denom > 0, denom, 1.0)
         return out.astype(q.dtype)
 
     out = jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid)))
