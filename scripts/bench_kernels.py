@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import time
 import traceback
 
@@ -27,23 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ceilings import matmul_rate, read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
 from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.pallas_kernels import gpu
-
-
-def timeit(fn, *args, reps=7, inner=10):
-    """Median seconds per call of the jitted ``fn`` (warm, asynchronous dispatch within a repetition)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
 
 
 def make_case(rng, num_seqs, ctx, q_len, *, heads, kv_heads, head_dim, page_size, dtype, num_layers=2):
@@ -101,17 +87,13 @@ def main():
     scale = hd ** -0.5
 
     def read_bw():
-        x = jax.random.normal(jax.random.key(1), (64 << 20 if small else 4 << 30) // 2, jnp.bfloat16)  # 4 GiB
-        f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-        t = tm(f, x)
-        return {"seconds": t, "TB/s": x.nbytes / t / 1e12}
+        bw = read_bandwidth(64 << 20 if small else 4 << 30)
+        return {"seconds": (64 << 20 if small else 4 << 30) / bw, "TB/s": bw / 1e12}
 
     def matmul():
         n = 512 if small else 8192
-        a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-        b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
-        t = tm(jax.jit(jnp.matmul), a, b)
-        return {"seconds": t, "TFLOP/s": 2 * n ** 3 / t / 1e12}
+        rate = matmul_rate(n, jnp.bfloat16)
+        return {"seconds": 2 * n ** 3 / rate, "TFLOP/s": rate / 1e12}
 
     if args.only == "all":
         run("read_bandwidth", res, read_bw)

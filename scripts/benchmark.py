@@ -44,40 +44,6 @@ F = flags.FLAGS
 log = logging.getLogger("benchmark")
 
 
-# ------------------------------------------------------------------------------------ ceilings
-
-def read_bandwidth() -> float:
-    """Bytes/s of a large sum reduction: the practical ceiling for reading weights and KV."""
-    import jax
-    import jax.numpy as jnp
-    n = (4 << 30 if jax.default_backend() != "cpu" else 256 << 20) // 2
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    return x.nbytes / _best_time(lambda: f(x).block_until_ready())
-
-
-def matmul_rate() -> float:
-    """FLOP/s of a large square matmul in the engine's dtype on this device."""
-    import jax
-    import jax.numpy as jnp
-    gpu = jax.default_backend() != "cpu"
-    n, dt = (8192, jnp.bfloat16) if gpu else (1024, jnp.float32)
-    a = jax.random.normal(jax.random.key(0), (n, n), dt)
-    f = jax.jit(lambda x, y: x @ y)
-    return 2 * n ** 3 / _best_time(lambda: f(a, a).block_until_ready())
-
-
-def _best_time(fn, warmup=2, reps=10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 # ------------------------------------------------------------------------------------ helpers
 
 def make_llm(**options):
@@ -190,12 +156,37 @@ def latency(results, bw):
     run_requests(mc_llm, prompt, [8])
     wall, ttft, tpot, n = run_requests(mc_llm, prompt, [256])
     step = float(tpot[0])
+    device_step = decode_step_time(mc_llm, prompt[0])
     kv_tok = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * mc_llm.engine.runner.cache.k.dtype.itemsize
     read = weight_bytes(mc_llm) + kv_tok * (128 + 128)  # weights + average context read per step
     results["latency"] = dict(ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3,
+                              device_ms_per_step=device_step * 1e3, device_bw_fraction=read / device_step / bw,
                               bytes_per_step=read, bw_fraction=read / step / bw, warmup_s=warm)
     del mc_llm
     gc.collect()
+
+
+def decode_step_time(llm, prompt) -> float:
+    """Seconds of one batch-1 decode step on device alone (steps dispatched back to back, no host
+    work between them): the gap to the engine's ms/token is host overhead."""
+    from ceilings import timeit
+    from jaxinfer.batching.scheduler import ScheduledBatch
+    from jaxinfer.batching.sequence import Sequence
+    from jaxinfer import SamplingParams
+    runner, blocks = llm.engine.runner, llm.engine.blocks
+    seq = Sequence("probe", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), seed=0)
+    seq.page_table, _ = blocks.allocate(seq.token_ids)
+    seq.num_computed_tokens = len(prompt) - 1
+    inputs = runner.prepare(ScheduledBatch([seq], [1]))
+    tokens, positions, md, sb, nl, pen = inputs
+
+    def step():
+        result, runner.cache = runner._step(runner.weights, runner.cache, tokens, positions, md, sb,
+                                            num_logprobs=nl, penalties=pen)
+        return result.tokens
+    t = timeit(step)
+    blocks.free_pages(seq.page_table)
+    return t
 
 
 def throughput(results, flops):
@@ -284,6 +275,7 @@ def main(argv):
     import jax
     results["device"] = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
     results["host"] = platform.processor() or platform.machine()
+    from ceilings import matmul_rate, read_bandwidth  # scripts/ is on sys.path when run as a script
     bw, flops = read_bandwidth(), matmul_rate()
     results["read_bandwidth_gb_s"], results["matmul_tflop_s"] = bw / 1e9, flops / 1e12
     for w in F.workload:
