@@ -210,7 +210,8 @@ def throughput(results, flops):
         mfu=(produced + 512 * n) * flops_per_tok / wall / flops, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
         tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3, peak_memory_gib=mem / 2**30,
         kv_pages=stats["kv_pages_total"], page_size=16, warmup_s=warm,
-        compilations_after_warmup=llm.engine.num_compilations - compiled, preemptions=stats["preemptions"])
+        compilations_after_warmup=llm.engine.num_compilations - compiled, preemptions=stats["preemptions"],
+        steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall)
     del llm
     gc.collect()
 
@@ -279,6 +280,7 @@ def main(argv):
     bw, flops = read_bandwidth(), matmul_rate()
     results["read_bandwidth_gb_s"], results["matmul_tflop_s"] = bw / 1e9, flops / 1e12
     for w in F.workload:
+        save(results)  # after each workload, so a run cut short still leaves its figures
         if w == "offline":
             offline(results)
         elif w == "latency":
@@ -289,10 +291,14 @@ def main(argv):
             prefix(results)
         elif w != "hf":
             raise app.UsageError(f"unknown workload {w!r}")
+    save(results)
+    print_table(results)
+
+
+def save(results):
     os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     with open(F.out, "w") as f:
         json.dump(results, f, indent=2)
-    print_table(results)
 
 
 def print_table(results):

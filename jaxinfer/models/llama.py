@@ -60,9 +60,12 @@ def _precision(dtype):
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later."""
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
-                      precision=_precision(x.dtype)).astype(x.dtype)
+    """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later.
+
+    A plain dot in the activation dtype: the GPU/TPU matmul units accumulate bf16 in float32
+    anyway, and asking XLA for a float32 result plus a cast measured 16% slower for the batch-1
+    GEMV on an H200 (2.97 vs 3.54 TB/s)."""
+    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
