@@ -27,8 +27,9 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def warmup(self, shapes=None) -> float:
-        return self.engine.warmup(shapes)
+    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
+        """Compile every step shape ahead of time; returns the seconds it took."""
+        return self.engine.warmup(shapes, greedy_only)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

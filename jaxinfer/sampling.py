@@ -74,18 +74,21 @@ def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, b: SamplingBatch, *, num_logprobs: int = 0, penalties: bool = False) -> SampleResult:
+def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, num_logprobs: int = 0,
+           penalties: bool = False) -> SampleResult:
     """Sample one token per row of float32 ``logits [S, V]``.
 
-    ``num_logprobs`` and ``penalties`` are static so that steps without them compile without the
-    extra work. Logprobs are those of the model's raw distribution (as in vLLM/OpenAI).
+    The flags are static (the host knows them from the requests), so a step compiles without work it
+    does not need: ``greedy_only`` skips the sort over the vocabulary. A traced ``lax.cond`` would do
+    the same at run time, but XLA on GPU reads its predicate on the host, which blocks the dispatch
+    of the whole step. Logprobs are those of the model's raw distribution (as in vLLM/OpenAI).
     """
     logits = logits.astype(jnp.float32)
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     adjusted = _apply_penalties(logits, b) if penalties else logits
-    greedy = jnp.argmax(adjusted, axis=-1)
-    tokens = jax.lax.cond(jnp.all(b.temperature == 0), lambda: greedy,
-                          lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
+    tokens = jnp.argmax(adjusted, axis=-1)
+    if not greedy_only:
+        tokens = jnp.where(b.temperature == 0, tokens, _sample_random(adjusted, b))
     tokens = tokens.astype(jnp.int32)
     token_lp = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     top_lp = top_ids = None

@@ -93,7 +93,7 @@ def offline(results):
     out_lens = rng.integers(16, 257, n)
     llm = make_llm(max_num_seqs=b, max_num_batched_tokens=512, max_model_len=512,
                    token_buckets=tuple(sorted({b, 64, 512})), seq_buckets=(b,), page_buckets=(16, 32))
-    llm.warmup()  # neither mode pays compilation inside its timing
+    llm.warmup(greedy_only=True)  # neither mode pays compilation inside its timing
     prompts = random_prompts(rng, n, prompt_lens, llm.engine.model_config.vocab_size)
     useful = int(out_lens.sum())
 
@@ -149,7 +149,7 @@ def weight_bytes(llm) -> int:
 def latency(results, bw):
     mc_llm = make_llm(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=512,
                       token_buckets=(1, 128), seq_buckets=(1,), page_buckets=(32,))
-    warm = mc_llm.warmup()
+    warm = mc_llm.warmup(greedy_only=True)
     rng = np.random.default_rng(1)
     mc = mc_llm.engine.model_config
     prompt = random_prompts(rng, 1, [128], mc.vocab_size)
@@ -177,12 +177,10 @@ def decode_step_time(llm, prompt) -> float:
     seq = Sequence("probe", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), seed=0)
     seq.page_table, _ = blocks.allocate(seq.token_ids)
     seq.num_computed_tokens = len(prompt) - 1
-    inputs = runner.prepare(ScheduledBatch([seq], [1]))
-    tokens, positions, md, sb, nl, pen = inputs
+    tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch([seq], [1]))
 
     def step():
-        result, runner.cache = runner._step(runner.weights, runner.cache, tokens, positions, md, sb,
-                                            num_logprobs=nl, penalties=pen)
+        result, runner.cache = runner._step(runner.weights, runner.cache, tokens, positions, md, sb, **flags)
         return result.tokens
     t = timeit(step)
     blocks.free_pages(seq.page_table)
@@ -194,7 +192,7 @@ def throughput(results, flops):
     n, seqs = F.throughput_requests, F.throughput_max_num_seqs
     llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=2048, max_model_len=1024,
                    token_buckets=(seqs, 1024, 2048), seq_buckets=(seqs,), page_buckets=(64,))
-    warm = llm.warmup()
+    warm = llm.warmup(greedy_only=True)
     compiled = llm.engine.num_compilations
     mc = llm.engine.model_config
     rng = np.random.default_rng(2)
@@ -224,7 +222,7 @@ def prefix(results):
         llm = make_llm(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048,
                        enable_prefix_caching=caching, token_buckets=(256, 1024, 2048),
                        seq_buckets=(256,), page_buckets=(128,))
-        llm.warmup()
+        llm.warmup(greedy_only=True)
         mc = llm.engine.model_config
         system = random_prompts(rng, 1, [1024], mc.vocab_size)[0]
         prompts = [system + p for p in random_prompts(rng, n, [64] * n, mc.vocab_size)]

@@ -261,10 +261,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- introspection
 
-    def warmup(self, shapes=None) -> float:
+    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
         """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds."""
         t0 = time.perf_counter()
-        self.runner.warmup(shapes)
+        self.runner.warmup(shapes, greedy_only)
         return time.perf_counter() - t0
 
     @property

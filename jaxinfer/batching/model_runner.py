@@ -63,15 +63,16 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.num_compilations = 0
         self._attention = attention
-        self._step = jax.jit(self._step_fn, static_argnames=("num_logprobs", "penalties"), donate_argnums=(1,))
+        self._step = jax.jit(self._step_fn, static_argnames=("greedy_only", "num_logprobs", "penalties"), donate_argnums=(1,))
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,))
 
-    def _step_fn(self, weights, cache, tokens, positions, md, sb, *, num_logprobs, penalties):
+    def _step_fn(self, weights, cache, tokens, positions, md, sb, *, greedy_only, num_logprobs, penalties):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled shape
-        log.info("compiling step: tokens=%d seqs=%d pages=%d logprobs=%d penalties=%s", tokens.shape[0],
-                 md.page_table.shape[0], md.page_table.shape[1], num_logprobs, penalties)
+        log.info("compiling step: tokens=%d seqs=%d pages=%d greedy_only=%s logprobs=%d penalties=%s",
+                 tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], greedy_only, num_logprobs,
+                 penalties)
         logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._attention)
-        return sample(logits, sb, num_logprobs=num_logprobs, penalties=penalties), cache
+        return sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties), cache
 
     def prepare(self, batch: ScheduledBatch):
         """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
@@ -132,20 +133,24 @@ class ModelRunner:
             frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
             penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
             penalty_counts=np.asarray(pen_counts + pad, np.float32))
-        want_logprobs = any(p.logprobs is not None for p in params)
-        return tokens, positions, md, sb, (self.max_logprobs if want_logprobs else 0), bool(pen_rows)
+        flags = dict(greedy_only=all(p.temperature == 0 for p in params),
+                     num_logprobs=self.max_logprobs if any(p.logprobs is not None for p in params) else 0,
+                     penalties=bool(pen_rows))
+        return tokens, positions, md, sb, flags
 
     def run(self, batch: ScheduledBatch) -> SampleResult:
         """Dispatch one step; the result stays on device until the caller reads it."""
-        tokens, positions, md, sb, num_logprobs, penalties = self.prepare(batch)
-        result, self.cache = self._step(self.weights, self.cache, tokens, positions, md, sb,
-                                        num_logprobs=num_logprobs, penalties=penalties)
+        tokens, positions, md, sb, flags = self.prepare(batch)
+        result, self.cache = self._step(self.weights, self.cache, tokens, positions, md, sb, **flags)
         return result
 
-    def warmup(self, shapes=None) -> None:
-        """Compile every bucket ahead of time (greedy, no logprobs, no penalties)."""
+    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
+        """Compile every bucket ahead of time, greedy and (unless ``greedy_only``) sampled steps
+        (logprobs and penalties compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
-        for t, s, p in tqdm(shapes, desc="compiling buckets", unit="shape"):
+        variants = (True,) if greedy_only else (True, False)
+        for (t, s, p), greedy in tqdm([(x, g) for x in shapes for g in variants], desc="compiling buckets",
+                                      unit="step"):
             tokens = np.zeros(t, np.int32)
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
@@ -154,7 +159,7 @@ class ModelRunner:
             sb = SamplingBatch(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
                                z, z, np.zeros(16, np.int32), np.zeros(16, np.int32), np.zeros(16, np.float32))
             result, self.cache = self._step(self.weights, self.cache, tokens, tokens, md, sb,
-                                            num_logprobs=0, penalties=False)
+                                            greedy_only=greedy, num_logprobs=0, penalties=False)
         jax.block_until_ready(self.cache)
 
     def swap_out(self, pages: list[int]):
