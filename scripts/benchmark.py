@@ -293,7 +293,20 @@ def main(argv):
     print_table(results)
 
 
+def summary(results) -> dict:
+    """The headline figures under flat keys (docs/results/*.json), from whichever workloads ran."""
+    get = lambda w, k: results.get(w, {}).get(k)
+    out = dict(latency_tok_s=get("latency", "tok_s"), latency_bw_fraction=get("latency", "bw_fraction"),
+               throughput_output_tok_s=get("throughput", "output_tok_s"),
+               hf_bs256_output_tok_s=get("hf", "hf_bs256_output_tok_s"),
+               prefix_cache_speedup=get("prefix", "speedup"), warmup_s=get("throughput", "warmup_s"),
+               compilations_after_warmup=get("throughput", "compilations_after_warmup"),
+               device=results.get("device"), command=results.get("command"))
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def save(results):
+    results.update(summary(results))
     os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     with open(F.out, "w") as f:
         json.dump(results, f, indent=2)
