@@ -180,7 +180,8 @@ def decode_step_time(llm, prompt) -> float:
     tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch([seq], [1]))
 
     def step():
-        result, runner.cache = runner._step(runner.weights, runner.cache, tokens, positions, md, sb, **flags)
+        result, runner.cache, _ = runner._step(runner.weights, runner.cache, runner.last_tokens, tokens, positions,
+                                               md, sb, **flags)
         return result.tokens
     t = timeit(step)
     blocks.free_pages(seq.page_table)

@@ -106,6 +106,7 @@ class LLMEngine:
         self._trackers: dict[str, _Tracker] = {}
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
+        self._inflight = None  # (batch, device result, sampled rows) of the step last dispatched
         self.counters = dict(prompt_tokens=0, generation_tokens=0, computed_prompt_tokens=0, steps=0,
                              step_tokens=0, host_time=0.0)
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
@@ -175,26 +176,36 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished()  # a request whose last token is in flight is still running
 
     # ---------------------------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        result = self.runner.run(batch)
-        host = time.perf_counter() - t0
-        tokens = np.asarray(result.tokens)  # waits for the device
-        t1 = time.perf_counter()
-        logprobs = np.asarray(result.logprobs) if result.top_tokens is not None or any(
-            s.params.logprobs is not None for s in batch.seqs) else None
-        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
-        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        """Dispatch the next step, then read the previous one's tokens while the device works.
 
+        Decode inputs of the new step come from the previous step's sampled tokens on device, so
+        the host never waits for them before dispatching; outputs therefore lag one step. A request
+        that turns out to have finished in the previous step wastes its slot in the new one.
+        """
+        t0 = time.perf_counter()
         outputs = []
-        now = time.monotonic()
+        if self._inflight is not None and any(  # penalties need every generated token on the host
+                s.pending and (s.params.presence_penalty or s.params.frequency_penalty) for s in self.scheduler.running):
+            outputs += self._read(*self._inflight)
+            self._inflight = None
+        batch = self.scheduler.schedule()
+        inflight, self._inflight = self._inflight, None
+        if batch.seqs:
+            self._inflight = (batch, self.runner.run(batch), self._dispatched(batch))
+        host = time.perf_counter() - t0
+        if inflight is not None:
+            outputs += self._read(*inflight)
+        self.counters["host_time"] += host
+        return outputs
+
+    def _dispatched(self, batch) -> list[int]:
+        """Advance host state as if the step had run; returns the rows that sample a token."""
+        sampled = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
                                                                   - seq.num_computed_tokens))
@@ -204,6 +215,30 @@ class LLMEngine:
                     seq.page_table, seq.token_ids, seq.num_computed_tokens, seq.committed_pages, seq.committed_key)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that is not the last: nothing sampled
+            seq.pending += 1
+            seq.pending_row, seq.pending_step = i, self.runner.num_steps - 1
+            known = len(seq.output_token_ids) + seq.pending
+            seq.final_pending = known >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+            sampled.append(i)
+        self.counters["steps"] += 1
+        self.counters["step_tokens"] += sum(batch.num_tokens)
+        return sampled
+
+    def _read(self, batch, result, sampled: list[int]) -> list[RequestOutput]:
+        """Turn a finished step's sampled tokens into outputs (blocks until the device has them)."""
+        tokens = np.asarray(result.tokens)
+        t0 = time.perf_counter()
+        want_lp = any(batch.seqs[i].params.logprobs is not None for i in sampled)
+        logprobs = np.asarray(result.logprobs) if want_lp else None
+        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
+        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        outputs = []
+        now = time.monotonic()
+        for i in sampled:
+            seq = batch.seqs[i]
+            if seq.status is Status.FINISHED:
+                continue  # finished or aborted after this step was dispatched
+            seq.pending -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             top = None
@@ -213,9 +248,7 @@ class LLMEngine:
                     top.update(zip(top_ids[i, :seq.params.logprobs].tolist(),
                                    top_lps[i, :seq.params.logprobs].tolist()))
             outputs.append(self._append_token(seq, int(tokens[i]), top))
-        self.counters["steps"] += 1
-        self.counters["step_tokens"] += sum(batch.num_tokens)
-        self.counters["host_time"] += host + time.perf_counter() - t1
+        self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, top: dict[int, float] | None) -> RequestOutput:
@@ -232,7 +265,8 @@ class LLMEngine:
                 tr.text += tr.detok.add(token)
             if p.stop and self._find_stop(tr, p.stop):
                 seq.finish_reason = "stop"
-            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(seq.output_token_ids) >= p.max_tokens or (
+                    len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
                 seq.finish_reason = "length"
         finished = seq.finish_reason is not None
         if finished:

@@ -62,17 +62,24 @@ class ModelRunner:
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.num_compilations = 0
+        self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._attention = attention
+        # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
+        # the next step reads its decode inputs from here instead of waiting for the host.
+        self.last_tokens = jnp.zeros(buckets.seqs[-1], jnp.int32)
         self._step = jax.jit(self._step_fn, static_argnames=("greedy_only", "num_logprobs", "penalties"), donate_argnums=(1,))
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,))
 
-    def _step_fn(self, weights, cache, tokens, positions, md, sb, *, greedy_only, num_logprobs, penalties):
+    def _step_fn(self, weights, cache, prev_tokens, tokens, positions, md, sb, *, greedy_only, num_logprobs,
+                 penalties):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled shape
         log.info("compiling step: tokens=%d seqs=%d pages=%d greedy_only=%s logprobs=%d penalties=%s",
                  tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], greedy_only, num_logprobs,
                  penalties)
+        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
         logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._attention)
-        return sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties), cache
+        result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
+        return result, cache, jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
 
     def prepare(self, batch: ScheduledBatch):
         """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
@@ -93,8 +100,14 @@ class ModelRunner:
         pos = starts[seq_of] + np.arange(n_real, dtype=np.int32) - offsets[:-1][seq_of]
 
         tokens = np.zeros(t_pad, np.int32)
-        tokens[:n_real] = [t for s, st, n in zip(seqs, starts.tolist(), counts.tolist())
-                           for t in s.tokens_between(st, st + n)]
+        ids = []
+        for s, st, n in zip(seqs, starts.tolist(), counts.tolist()):
+            known = min(st + n, s.num_tokens - s.pending)
+            ids += s.tokens_between(st, known)
+            if known < st + n:  # the input is the token the last step sampled, still on device
+                assert s.pending == 1 and known + 1 == st + n and s.pending_step == self.num_steps - 1
+                ids.append(-1 - s.pending_row)
+        tokens[:n_real] = ids
         positions = np.zeros(t_pad, np.int32)
         positions[:n_real] = pos
         slots = np.full(t_pad, self.cache.num_pages * ps, np.int32)  # past the pool: writes dropped
@@ -128,7 +141,7 @@ class ModelRunner:
             top_p=column([p.top_p for p in params], np.float32, 1.0),
             min_p=column([p.min_p for p in params], np.float32),
             seed=column([s.seed & 0xFFFFFFFF for s in seqs], np.uint32),
-            step=column([len(s.output_token_ids) for s in seqs], np.int32),
+            step=column([len(s.output_token_ids) + s.pending for s in seqs], np.int32),
             presence_penalty=column([p.presence_penalty for p in params], np.float32),
             frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
             penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
@@ -141,7 +154,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> SampleResult:
         """Dispatch one step; the result stays on device until the caller reads it."""
         tokens, positions, md, sb, flags = self.prepare(batch)
-        result, self.cache = self._step(self.weights, self.cache, tokens, positions, md, sb, **flags)
+        result, self.cache, self.last_tokens = self._step(self.weights, self.cache, self.last_tokens, tokens,
+                                                          positions, md, sb, **flags)
+        self.num_steps += 1
         return result
 
     def warmup(self, shapes=None, greedy_only: bool = False) -> None:
@@ -158,8 +173,8 @@ class ModelRunner:
             z = np.zeros(s, np.float32)
             sb = SamplingBatch(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
                                z, z, np.zeros(16, np.int32), np.zeros(16, np.int32), np.zeros(16, np.float32))
-            result, self.cache = self._step(self.weights, self.cache, tokens, tokens, md, sb,
-                                            greedy_only=greedy, num_logprobs=0, penalties=False)
+            _, self.cache, _ = self._step(self.weights, self.cache, self.last_tokens, tokens, tokens, md, sb,
+                                          greedy_only=greedy, num_logprobs=0, penalties=False)
         jax.block_until_ready(self.cache)
 
     def swap_out(self, pages: list[int]):

@@ -94,6 +94,7 @@ class Scheduler:
             self.swap_in(seq.swapped, seq.page_table)
             seq.swapped = None
             return True
+        assert not seq.pending, "a sequence is re-admitted only once its sampled tokens are known"
         tokens = seq.token_ids
         if not self.blocks.can_allocate(tokens):
             return False
@@ -112,6 +113,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.final_pending:  # its last token is already being sampled
+                i += 1
+                continue
             n = self._chunk(seq, budget)
             while self.blocks.pages_needed(seq.num_computed_tokens + n) - len(seq.page_table) > self.blocks.num_free:
                 victim = self.running[-1]

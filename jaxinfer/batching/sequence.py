@@ -39,6 +39,13 @@ class Sequence:
     committed_key: int | None = None
     swapped: object = None  # host copy of the pages while swapped out
 
+    # Tokens sampled by dispatched steps whose results the host has not read yet (0-2): the next
+    # step takes the newest from the device (row `pending_row` of the step dispatched last).
+    pending: int = 0
+    pending_row: int = -1
+    pending_step: int = -1
+    final_pending: bool = False  # the newest pending token ends the request (max_tokens / length)
+
     first_token_time: float | None = None
     num_preemptions: int = 0
 
@@ -55,7 +62,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending
 
     @property
     def num_remaining(self) -> int:
