@@ -92,7 +92,7 @@ def offline(results):
     prompt_lens = rng.integers(16, 257, n)
     out_lens = rng.integers(16, 257, n)
     llm = make_llm(max_num_seqs=b, max_num_batched_tokens=512, max_model_len=512,
-                   token_buckets=tuple(sorted({b, 64, 512})), seq_buckets=(b,), page_buckets=(16, 32))
+                   token_buckets=tuple(sorted({b, 32, 64, 128, 256, 512})), seq_buckets=(b,), page_buckets=(16, 32))
     llm.warmup(greedy_only=True)  # neither mode pays compilation inside its timing
     prompts = random_prompts(rng, n, prompt_lens, llm.engine.model_config.vocab_size)
     useful = int(out_lens.sum())
