@@ -11,6 +11,7 @@ import sys
 import time
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.tokenizer import apply_chat_template
@@ -35,6 +36,7 @@ def main(argv):
     if (F.prompt is None) == (F.chat is None):
         sys.exit("pass exactly one of --prompt or --chat")
     logging.basicConfig(level=logging.WARNING)
+    absl_logging.set_verbosity(absl_logging.WARNING)  # keep compile logs out of the streamed text
     t0 = time.perf_counter()
     llm = LLM(F.model, dtype=F.dtype, load_format=F.load_format, max_model_len=F.max_model_len, max_num_seqs=1,
               max_num_batched_tokens=256)
