@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 import traceback
 
 import jax

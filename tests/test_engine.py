@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import all_position_logits
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig
-from jaxinfer.models.llama import forward
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
 OPTS = dict(load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256,
             seq_buckets=(1, 2, 4, 8), page_buckets=(4, 16))
@@ -29,15 +28,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 def full_logits(llm, ids):
     """Oracle: logits of every position of `ids` from one plain forward pass (no engine)."""
-    eng = llm.engine
-    mc, ps = eng.model_config, 16
-    n = len(ids)
-    pages = -(-n // ps)
-    cache = KVCache.zeros(mc.num_layers, pages, ps, mc.num_kv_heads, mc.head_dim)
-    md = BatchMetadata(jnp.arange(n, dtype=jnp.int32), jnp.arange(pages, dtype=jnp.int32)[None],
-                       jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32), jnp.arange(n, dtype=jnp.int32))
-    logits, _ = forward(eng.runner.weights, jnp.asarray(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), cache, md, mc)
-    return np.asarray(logits)
+    return all_position_logits(llm.engine.model_config, llm.engine.runner.weights, ids)
 
 
 def test_greedy_matches_plain_forward(llm):

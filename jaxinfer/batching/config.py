@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.models.weights import LOAD_FORMATS
+from jaxinfer.pallas_kernels import BACKENDS
+
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
-    "load_format": ("auto", "dummy"),
+    "load_format": LOAD_FORMATS,
     "scheduling_policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute", "swap"),
-    "attention_backend": ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret"),
+    "attention_backend": BACKENDS,
     "layer_loop": ("auto", "scan", "unroll"),
 }
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from typing import Sequence as Seq
 
@@ -81,7 +80,7 @@ class LLMEngine:
                              f"({mc.max_position_embeddings})")
         ps = config.page_size
         pages_per_seq = -(-self.max_model_len // ps)
-        num_pages = config.num_pages or self._default_num_pages(weights, dtype, pages_per_seq)
+        num_pages = config.num_pages or self._default_num_pages(dtype, pages_per_seq)
         if num_pages < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages} pages of {ps} tokens) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; raise num_pages or lower max_model_len")
@@ -112,7 +111,7 @@ class LLMEngine:
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
                  cache.k.nbytes * 2 / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
 
-    def _default_num_pages(self, weights, dtype: str, pages_per_seq: int) -> int:
+    def _default_num_pages(self, dtype: str, pages_per_seq: int) -> int:
         mc = self.model_config
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads, mc.head_dim, dtype)
         stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
@@ -233,14 +232,11 @@ class LLMEngine:
         top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
         top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
         outputs = []
-        now = time.monotonic()
         for i in sampled:
             seq = batch.seqs[i]
             if seq.status is Status.FINISHED:
                 continue  # finished or aborted after this step was dispatched
             seq.pending -= 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             top = None
             if seq.params.logprobs is not None:
                 top = {int(tokens[i]): float(logprobs[i])}
@@ -312,7 +308,7 @@ class LLMEngine:
         c = self.counters
         return dict(
             running=len(s.running), waiting=len(s.waiting), preempted=len(s.preempted),
-            kv_pages_used=b.num_used, kv_pages_total=b.num_pages, kv_pages_cached_free=len(b.cached),
+            kv_pages_used=b.num_used, kv_pages_total=b.num_pages, prefix_cache_pages=len(b.cached),
             kv_utilization=stored / slots if slots else 1.0,
             prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
             preemptions=s.num_preemptions, compilations=self.num_compilations,

@@ -76,7 +76,6 @@ class Scheduler:
         seq.page_table = []
         seq.committed_pages, seq.committed_key = 0, None
         seq.status = Status.PREEMPTED
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted.append(seq)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 
 from jaxinfer.sampling_params import SamplingParams
 
@@ -23,11 +22,9 @@ class Sequence:
     params: SamplingParams
     seed: int  # the request's seed, or one drawn for it at arrival
     priority: int = 0
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     arrival_index: int = 0  # tie-breaker: FCFS among equal priorities
 
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -46,8 +43,6 @@ class Sequence:
     pending_step: int = -1
     final_pending: bool = False  # the newest pending token ends the request (max_tokens / length)
 
-    first_token_time: float | None = None
-    num_preemptions: int = 0
 
     @property
     def token_ids(self) -> list[int]:
