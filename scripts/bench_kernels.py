@@ -1,8 +1,8 @@
 """Time the attention kernels on the current device against its ceilings and peer implementations.
 
 Cases (defaults are the issue-5 shapes):
-- decode: 64 sequences x 4096 context, 32 q heads / 8 kv heads, head_dim 128, bf16, page_size 64,
-  pages scattered over the pool; reported as achieved HBM bandwidth = K/V bytes read / time.
+- decode: 64 sequences x 4096 context, 32 q heads / 8 kv heads, head_dim 128, bf16, page_size 64
+  (and 16, the engine's default), pages scattered over the pool; reported as achieved HBM bandwidth = K/V bytes read / time.
 - prefill: 8 x 2048 causal (whole prompts as one chunk), same heads; reported as TFLOP/s
   (4 * D * heads * sum over queries of visible keys).
 Ceilings measured in the same run: read bandwidth (sum over a multi-GB array) and the bf16 matmul
@@ -117,6 +117,16 @@ def main():
     run("decode_ours", res, ours)
     if args.only == "decode":
         return
+
+    def ours_small_pages(page_size=16):  # the engine's default page size: 4 pages per key block
+        qs, kcs, vcs, mds = make_case(np.random.default_rng(0), S, ctx, 1, heads=heads, kv_heads=kv_heads,
+                                      head_dim=hd, page_size=page_size, dtype=dt)
+        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp))
+        err = rel_err(f(qs, kcs, vcs, layer, mds), ref_jit(qs, kcs, vcs, layer, mds))
+        t = tm(f, qs, kcs, vcs, layer, mds)
+        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": {"page_size": page_size}}
+
+    run("decode_ours_page16", res, ours_small_pages)
     if args.sweep:
         for splits in (4, 8):
             for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):

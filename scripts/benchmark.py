@@ -34,6 +34,7 @@ flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
 flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
 flags.DEFINE_integer("throughput_requests", 1000, "throughput: number of requests.")
 flags.DEFINE_integer("throughput_max_num_seqs", 256, "throughput: max_num_seqs.")
+flags.DEFINE_integer("throughput_max_num_batched_tokens", 2048, "throughput: token budget per step.")
 flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
 flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
 flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
@@ -142,8 +143,12 @@ def hf_static(prompts, out_lens, b):
 
 
 def weight_bytes(llm) -> int:
+    """Weight bytes a decode step reads: everything but an untied embedding table, of which a
+    step reads only its tokens' rows."""
     import jax
-    return sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.weights))
+    w = llm.engine.runner.weights
+    unread = w.embed.nbytes if w.lm_head is not None else 0
+    return sum(x.nbytes for x in jax.tree.leaves(w)) - unread
 
 
 def latency(results, bw):
@@ -190,9 +195,10 @@ def decode_step_time(llm, prompt) -> float:
 
 def throughput(results, flops):
     import jax
-    n, seqs = F.throughput_requests, F.throughput_max_num_seqs
-    llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=2048, max_model_len=1024,
-                   token_buckets=(seqs, 1024, 2048), seq_buckets=(seqs,), page_buckets=(64,))
+    n, seqs, budget = F.throughput_requests, F.throughput_max_num_seqs, F.throughput_max_num_batched_tokens
+    tokens = sorted({seqs, budget} | {b for b in (1024, 2048, 4096) if b < budget})
+    llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=1024,
+                   token_buckets=tuple(tokens), seq_buckets=(seqs,), page_buckets=(64,))
     warm = llm.warmup(greedy_only=True)
     compiled = llm.engine.num_compilations
     mc = llm.engine.model_config
@@ -208,7 +214,7 @@ def throughput(results, flops):
         requests=n, output_tok_s=out_tok_s, total_tok_s=(produced + 512 * n) / wall,
         mfu=(produced + 512 * n) * flops_per_tok / wall / flops, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
         tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3, peak_memory_gib=mem / 2**30,
-        kv_pages=stats["kv_pages_total"], page_size=16, warmup_s=warm,
+        kv_pages=stats["kv_pages_total"], page_size=16, max_num_batched_tokens=budget, warmup_s=warm,
         compilations_after_warmup=llm.engine.num_compilations - compiled, preemptions=stats["preemptions"],
         steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall)
     del llm

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.paged.kv_cache import BatchMetadata, segment_of
 
 # Scores are materialized for a block of queries at a time; this bounds a block's
 # (queries x context) so prefill of long prompts stays within memory.
@@ -20,7 +20,7 @@ def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Arr
     """For each packed token: its sequence index, its position, and whether it is a real token."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = md.seq_lens.shape[0]
-    seq = jnp.searchsorted(md.query_start[1:], t, side="right").astype(jnp.int32)
+    seq = segment_of(md.query_start[1:], t)
     valid = seq < num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
     q_len = md.query_start[seq + 1] - md.query_start[seq]

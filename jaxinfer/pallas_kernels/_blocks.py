@@ -3,7 +3,8 @@
 A kernel's grid must be static, but how many tokens each sequence contributes changes every step.
 So each sequence's query tokens are cut into blocks of at most ``tokens_per_block`` tokens (a block
 never spans two sequences), and the grid is sized by the static bound
-``cdiv(num_tokens, tokens_per_block) + num_seqs`` (each sequence wastes at most one partial block).
+``cdiv(num_tokens, tokens_per_block) + num_seqs`` (each sequence wastes at most one partial block;
+fewer when a caller knows fewer sequences can take part).
 Blocks past the real ones have ``ntok == 0`` and do nothing. This metadata is a handful of int32
 vectors computed by XLA outside the kernel; the kernels read it as scalars.
 """
@@ -15,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.paged.kv_cache import BatchMetadata, segment_of
 
 
 def cdiv(a, b):
@@ -32,9 +33,10 @@ class QueryBlocks:
     kv_hi: jax.Array  # int32 [NB]: one past the last key position it may see (causal)
 
 
-def query_blocks(md: BatchMetadata, num_tokens: int, tokens_per_block: int,
-                 include: jax.Array | None = None, sliding_window: int | None = None) -> QueryBlocks:
-    """Cut the packed queries into blocks; ``include`` [S] (bool) restricts to some sequences."""
+def query_blocks(md: BatchMetadata, num_tokens: int, tokens_per_block: int, include: jax.Array | None = None,
+                 sliding_window: int | None = None, max_seqs: int | None = None) -> QueryBlocks:
+    """Cut the packed queries into blocks; ``include`` [S] (bool) restricts to some sequences, of
+    which at most ``max_seqs`` (static; default all) can be included in one step."""
     num_seqs = md.seq_lens.shape[0]
     tq = tokens_per_block
     q_len = md.query_start[1:] - md.query_start[:-1]
@@ -42,9 +44,9 @@ def query_blocks(md: BatchMetadata, num_tokens: int, tokens_per_block: int,
     if include is not None:
         nblk = jnp.where(include, nblk, 0)
     ends = jnp.cumsum(nblk).astype(jnp.int32)
-    num_blocks = cdiv(num_tokens, tq) + num_seqs
+    num_blocks = cdiv(num_tokens, tq) + (num_seqs if max_seqs is None else min(max_seqs, num_seqs))
     b = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right").astype(jnp.int32), num_seqs - 1)
+    seq = jnp.minimum(segment_of(ends, b), num_seqs - 1)
     real = b < ends[-1]
     j = b - (ends[seq] - nblk[seq])  # block index within its sequence
     tok0 = md.query_start[seq] + j * tq

@@ -17,9 +17,13 @@ Design, and why:
   with an online softmax and writes partial (acc, m, l); an XLA combine merges the splits. Splitting
   the KV length is what lets a few long sequences still fill all SMs.
 - Longer query runs (prefill chunks) go to a prefill kernel: grid ``(query block, kv_head)``, a block
-  being up to ``rows // group`` tokens of one sequence against its pages, causal.
+  being up to ``rows // group`` tokens of one sequence against its pages, causal. Unused blocks
+  return at once, and a step too small to hold a prefill run does not launch it at all.
 - GQA: the rows of a program are (token, query head of the group); one K/V page load of a kv head
-  serves all of them in one matmul.
+  serves all of them in one matmul. Query rows are gathered from ``q [T, H, D]`` in place and the
+  prefill kernel scatters its rows back the same way: no transposed copy of q per layer.
+- No XLA op in here may hide a host sync (see ``kv_cache.segment_of``): the step must stay one
+  stream of kernels the host can run ahead of.
 - K/V are read in place from the stacked cache ``[layers, pages, page_size, kv_heads, D]`` at the
   (traced or static) layer index; each page of one kv head is ``page_size`` rows of ``D`` contiguous
   elements. No per-layer copy, no gather into a dense context.
@@ -43,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.paged.attention import token_layout
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.pallas_kernels._blocks import cdiv, query_blocks
 
@@ -99,8 +104,23 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
     return jax.lax.fori_loop(blk_lo, blk_hi, body, init)
 
 
+def _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads):
+    """Rows (token, query head of kv head ``h``'s group) of queries ``tok0 ..`` read in place from
+    ``q`` viewed as ``[T * H, D]``: row ``r`` is token ``tok0 + r // group``, head ``h * group + r % group``.
+    Returns the rows (zero past ``ntok`` tokens), the row mask and the rows' flat indices; masked rows
+    get distinct indices past ``T * H`` (an output's scratch tail) so a masked scatter never aliases."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    row_ok = r // group < ntok
+    num_rows, head_dim = q_ref.shape
+    idx = jnp.where(row_ok, (tok0 + r // group) * num_heads + h * group + r % group, num_rows + r)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
+    q = plgpu.load(q_ref.at[jnp.minimum(idx, num_rows - 1)[:, None], col], mask=mask, other=0)
+    return q, mask, (idx[:, None], col)
+
+
 def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                   group, max_q, blocks_per_split, **attend_kw):
+                   group, num_heads, max_q, blocks_per_split, **attend_kw):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, head_dim = o_ref.shape
     block_k = attend_kw["block_k"]
@@ -109,11 +129,8 @@ def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, o_r
     seq_len = lens_ref[s]
     active = (q_len > 0) & (q_len <= max_q)
 
-    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    row_ok = (r // group < q_len) & active
-    row_pos = seq_len - q_len + r // group
-    q = plgpu.load(q_ref.at[h, pl.ds(q0 * group, rows), :],
-                   mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)), other=0)
+    q, _, _ = _query_rows(q_ref, q0, jnp.where(active, q_len, 0), h, rows, group, num_heads)
+    row_pos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
 
     kv_hi = jnp.where(active, seq_len, 0)
     window = attend_kw["sliding_window"]
@@ -128,27 +145,26 @@ def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, o_r
 
 
 def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
-                    q_ref, k_ref, v_ref, o_ref, *, group, rows, **attend_kw):
+                    q_ref, k_ref, v_ref, o_ref, *, group, num_heads, rows, **attend_kw):
     b, h = pl.program_id(0), pl.program_id(1)
-    head_dim = q_ref.shape[-1]
     block_k = attend_kw["block_k"]
     seq, tok0, ntok, pos0 = seq_ref[b], tok0_ref[b], ntok_ref[b], pos0_ref[b]
     kv_lo, kv_hi = lo_ref[b], hi_ref[b]
 
-    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    row_ok = r // group < ntok
-    row_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
-    q = plgpu.load(q_ref.at[h, pl.ds(tok0 * group, rows), :], mask=row_mask, other=0)
-    acc, m, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
-                              kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    plgpu.store(o_ref.at[h, pl.ds(tok0 * group, rows), :], out.astype(o_ref.dtype), mask=row_mask)
+    @pl.when(ntok > 0)  # unused blocks (most of them in a decode-heavy step) return at once
+    def _():
+        q, mask, out_idx = _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads)
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        acc, m, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
+                                  kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        plgpu.store(o_ref.at[out_idx], out.astype(o_ref.dtype), mask=mask)
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
                            scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
-                           num_splits: int | None = None, decode_block_k: int | None = None,
-                           decode_warps: int = 4, decode_stages: int = 2, decode_evict_first: bool = False,
+                           num_splits: int | None = None, decode_block_k: int = 64,
+                           decode_warps: int = 4, decode_stages: int = 3, decode_evict_first: bool = False,
                            prefill_rows: int = 128, prefill_block_k: int | None = None,
                            prefill_warps: int = 4, prefill_stages: int = 2,
                            interpret: bool = False) -> jax.Array:
@@ -178,11 +194,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     blocks_per_split = cdiv(num_kv_blocks, num_splits)
     num_splits = cdiv(num_kv_blocks, blocks_per_split)
 
-    # Queries per kv head, rows ordered (token, head in group): [KVH, T*G + pad, D]. The pad keeps
-    # every block's row window in bounds (interpret mode clamps out-of-bounds slices).
-    pad = max(dec_rows, pre_rows)
-    qt = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qt = jnp.pad(qt.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, pad), (0, 0)))
+    q_rows = q.reshape(num_tokens * num_heads, head_dim)  # free; kernels gather their rows
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     page_table = jnp.clip(md.page_table, 0, num_pages - 1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -195,7 +207,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # Decode-shaped sequences: flash-decoding with KV splits, then combine.
     part = (num_seqs, num_kv_heads, num_splits, dec_rows)
     acc, m, l = pl.pallas_call(
-        functools.partial(_decode_kernel, group=group, max_q=max_q_dec, blocks_per_split=blocks_per_split,
+        functools.partial(_decode_kernel, group=group, num_heads=num_heads, max_q=max_q_dec, blocks_per_split=blocks_per_split,
                           block_k=dec_bk, evict_first=decode_evict_first, **attend_kw),
         grid=(num_seqs, num_kv_heads, num_splits),
         out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows, head_dim),
@@ -207,34 +219,36 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
         interpret=interpret,
         name="paged_decode_gpu",
-    )(layer_arr, page_table, md.seq_lens, md.query_start, qt, k_flat, v_flat)
+    )(layer_arr, page_table, md.seq_lens, md.query_start, q_rows, k_flat, v_flat)
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_all)  # [S, KVH, splits, rows]
     l_all = jnp.sum(w * l, axis=2)
     dec = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     dec = dec[:, :, :max_q_dec * group].reshape(num_seqs, num_kv_heads, max_q_dec, group, head_dim)
 
-    # Prefill-shaped sequences: query blocks against their pages.
-    q_len = md.query_start[1:] - md.query_start[:-1]
-    is_prefill = q_len > max_q_dec
-    tq = pre_rows // group
-    blk = query_blocks(md, num_tokens, tq, include=is_prefill, sliding_window=sliding_window)
-    num_blocks = blk.seq.shape[0]
-    pre = pl.pallas_call(
-        functools.partial(_prefill_kernel, group=group, rows=pre_rows, block_k=pre_bk, **attend_kw),
-        grid=(num_blocks, num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
-        interpret=interpret,
-        name="paged_prefill_gpu",
-    )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, qt, k_flat, v_flat)
-    pre = pre[:, :num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
-
     # Each token takes its kernel's result; padding tokens get zeros.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(md.query_start[1:], t, side="right"), num_seqs - 1).astype(jnp.int32)
-    valid = t < md.query_start[-1]
-    dec_tok = dec[seq, :, jnp.clip(t - md.query_start[seq], 0, max_q_dec - 1)]  # [T, KVH, G, D]
-    out = jnp.where(is_prefill[seq][:, None, None, None], pre.astype(jnp.float32), dec_tok)
+    seq, _, valid = token_layout(md, num_tokens)
+    out = dec[seq, :, jnp.clip(t - md.query_start[seq], 0, max_q_dec - 1)]  # [T, KVH, G, D]
+
+    # Prefill-shaped sequences: query blocks against their pages. A step of T tokens holds at most
+    # T // (max_q_dec + 1) of them (none in a pure decode step, which then skips this kernel).
+    max_prefill_seqs = num_tokens // (max_q_dec + 1)
+    if max_prefill_seqs:
+        q_len = md.query_start[1:] - md.query_start[:-1]
+        is_prefill = q_len > max_q_dec
+        tq = pre_rows // group
+        blk = query_blocks(md, num_tokens, tq, include=is_prefill, sliding_window=sliding_window,
+                           max_seqs=max_prefill_seqs)
+        pre = pl.pallas_call(
+            functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk, **attend_kw),
+            grid=(blk.seq.shape[0], num_kv_heads),
+            out_shape=jax.ShapeDtypeStruct((num_tokens * num_heads + pre_rows, head_dim), q.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
+            interpret=interpret,
+            name="paged_prefill_gpu",
+        )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, q_rows, k_flat, v_flat)
+        pre = pre[:num_tokens * num_heads].reshape(num_tokens, num_kv_heads, group, head_dim)
+        out = jnp.where(is_prefill[seq][:, None, None, None], pre.astype(jnp.float32), out)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

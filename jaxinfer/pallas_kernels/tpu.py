@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.paged.kv_cache import BatchMetadata, segment_of
 from jaxinfer.pallas_kernels._blocks import cdiv, query_blocks
 
 _MASK = -1e30  # finite, so fully masked rows never produce inf - inf
@@ -145,7 +145,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     out = out.reshape(num_blocks * tq, num_heads, head_dim)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     blk_ends = jnp.cumsum(blk.ntok)
-    blk_of = jnp.minimum(jnp.searchsorted(blk_ends, t, side="right"), num_blocks - 1)
+    blk_of = jnp.minimum(segment_of(blk_ends, t), num_blocks - 1)
     valid = t < md.query_start[-1]
     out = out[blk_of * tq + jnp.clip(t - blk.tok0[blk_of], 0, tq - 1)]
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
