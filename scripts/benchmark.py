@@ -161,36 +161,53 @@ def latency(results, bw):
     run_requests(mc_llm, prompt, [8])
     wall, ttft, tpot, n = run_requests(mc_llm, prompt, [256])
     step = float(tpot[0])
-    device_step = decode_step_time(mc_llm, prompt[0])
+    prof = profile_decode(mc_llm, prompt)
+    device_step = prof["device_ms_per_step"] * 1e-3
     kv_tok = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * mc_llm.engine.runner.cache.k.dtype.itemsize
     read = weight_bytes(mc_llm) + kv_tok * (128 + 128)  # weights + average context read per step
-    results["latency"] = dict(ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3,
-                              device_ms_per_step=device_step * 1e3, device_bw_fraction=read / device_step / bw,
-                              bytes_per_step=read, bw_fraction=read / step / bw, warmup_s=warm)
+    results["latency"] = dict(ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3, **prof,
+                              device_bw_fraction=read / device_step / bw, bytes_per_step=read,
+                              bw_fraction=read / step / bw, warmup_s=warm)
     del mc_llm
     gc.collect()
 
 
-def decode_step_time(llm, prompt) -> float:
-    """Seconds of one batch-1 decode step on device alone (steps dispatched back to back, no host
-    work between them): the gap to the engine's ms/token is host overhead."""
-    from ceilings import timeit
+def decode_step(llm, prompts):
+    """A callable running one decode step for ``prompts`` (one sequence each, context already in the
+    cache) on device alone, and a function that frees their pages afterwards."""
     from jaxinfer.batching.scheduler import ScheduledBatch
     from jaxinfer.batching.sequence import Sequence
     from jaxinfer import SamplingParams
     runner, blocks = llm.engine.runner, llm.engine.blocks
-    seq = Sequence("probe", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), seed=0)
-    seq.page_table, _ = blocks.allocate(seq.token_ids)
-    seq.num_computed_tokens = len(prompt) - 1
-    tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch([seq], [1]))
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(f"probe{i}", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), seed=0)
+        seq.page_table, _ = blocks.allocate(seq.token_ids)
+        seq.num_computed_tokens = len(prompt) - 1
+        seqs.append(seq)
+    tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, [1] * len(seqs)))
 
     def step():
         result, runner.cache, _ = runner._step(runner.weights, runner.cache, runner.last_tokens, tokens, positions,
                                                md, sb, **flags)
         return result.tokens
-    t = timeit(step)
-    blocks.free_pages(seq.page_table)
-    return t
+
+    def free():
+        for seq in seqs:
+            blocks.free_pages(seq.page_table)
+    return step, free
+
+
+def profile_decode(llm, prompts) -> dict:
+    """Device-only decode step (steps back to back, no host work between them: the gap to the
+    engine's ms/token is host overhead) and its device time split by kernel kind."""
+    from ceilings import timeit
+    from device_profile import kernel_times, split
+    step, free = decode_step(llm, prompts)
+    out = {"device_ms_per_step": timeit(step) * 1e3}
+    out.update({k.replace("_s", "_ms"): v * 1e3 for k, v in split(kernel_times(step)).items()})
+    free()
+    return out
 
 
 def throughput(results, flops):
@@ -205,9 +222,13 @@ def throughput(results, flops):
     rng = np.random.default_rng(2)
     prompts = random_prompts(rng, n, [512] * n, mc.vocab_size)
     wall, ttft, tpot, produced = run_requests(llm, prompts, [256] * n)
+    compilations = llm.engine.num_compilations - compiled
     out_tok_s = produced / wall
     flops_per_tok = 2 * (mc.num_params() - mc.vocab_size * mc.hidden_size * (not mc.tie_word_embeddings))
     stats = llm.engine.stats()
+    # Where a step's device time goes: a decode step of max_num_seqs sequences at the run's mean
+    # context (512 prompt + 128), split by kernel kind.
+    decode = profile_decode(llm, random_prompts(rng, seqs, [512 + 128] * seqs, mc.vocab_size))
     dev = jax.devices()[0]
     mem = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
     results["throughput"] = dict(
@@ -215,8 +236,9 @@ def throughput(results, flops):
         mfu=(produced + 512 * n) * flops_per_tok / wall / flops, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
         tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3, peak_memory_gib=mem / 2**30,
         kv_pages=stats["kv_pages_total"], page_size=16, max_num_batched_tokens=budget, warmup_s=warm,
-        compilations_after_warmup=llm.engine.num_compilations - compiled, preemptions=stats["preemptions"],
-        steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall)
+        compilations_after_warmup=compilations, preemptions=stats["preemptions"],
+        steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall,
+        **{f"decode{seqs}_{k}": v for k, v in decode.items()})
     del llm
     gc.collect()
 
