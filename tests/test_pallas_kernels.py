@@ -158,3 +158,33 @@ def test_engine_greedy_with_interpreted_kernel_equals_reference():
     ref = LLM("tiny-llama3", attention_backend="reference", **opts).generate(prompts, params)
     got = LLM("tiny-llama3", attention_backend="interpret", **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_gpu_step_has_no_host_synced_loops(greedy_only):
+    """The whole engine step with the GPU kernel, lowered for CUDA (works on CPU), holds no
+    ``while`` loop: XLA:GPU reads a loop's predicate on the host every iteration, which stalls
+    the stream and the host's dispatch of the next step (``jnp.searchsorted`` did this)."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.batching.scheduler import ScheduledBatch
+    from jaxinfer.batching.sequence import Sequence
+
+    llm = LLM("tiny-llama3", load_format="dummy", attention_backend="pallas_gpu", layer_loop="unroll",
+              max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
+              token_buckets=(32,), seq_buckets=(4,), page_buckets=(8,))
+    runner, blocks = llm.engine.runner, llm.engine.blocks
+    seqs, counts = [], []
+    for i, (n, computed) in enumerate([(20, 0), (40, 39), (9, 8)]):  # one prefill chunk, two decodes
+        seq = Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(temperature=0.0 if greedy_only else 0.8),
+                       seed=i)
+        seq.page_table, _ = blocks.allocate(seq.token_ids)
+        seq.num_computed_tokens = computed
+        seqs.append(seq)
+        counts.append(n - computed)
+    tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, counts))
+    assert flags["greedy_only"] == greedy_only
+    lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, tokens, positions, md, sb,
+                                 **flags).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text  # the Pallas GPU kernels are in the step
+    assert "stablehlo.while" not in text
