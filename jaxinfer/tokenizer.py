@@ -78,3 +78,11 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end of the stream, as U+FFFD):
+        called once a request finishes, so the deltas add up to decoding every id."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]

@@ -44,6 +44,18 @@ def test_invalid_utf8_is_emitted_not_held_forever(smollm2_tokenizer):
     assert "".join(deltas) == tok.decode([lone] * 4 + [a], skip_special_tokens=True)
 
 
+def test_flush_emits_a_character_cut_off_at_the_end(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("ok 😀", add_special_tokens=False)
+    cut = ids[:-1]  # the emoji's last byte token never comes (generation stopped on a length limit)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in cut]
+    assert "\ufffd" not in "".join(deltas)  # the partial character is held back while streaming ...
+    tail = detok.flush()
+    assert tail.endswith("\ufffd") and "".join(deltas) + tail == tok.decode(cut)  # ... and flushed at the end
+    assert detok.flush() == ""
+
+
 def test_chat_template(smollm2_tokenizer):
     ids = apply_chat_template(smollm2_tokenizer, [{"role": "user", "content": "What is 2+2?"}])
     text = smollm2_tokenizer.decode(ids)

@@ -261,10 +261,13 @@ class LLMEngine:
                 tr.text += tr.detok.add(token)
             if p.stop and self._find_stop(tr, p.stop):
                 seq.finish_reason = "stop"
+                tr.detok = None  # the text ends before the stop string: nothing left to flush
             elif len(seq.output_token_ids) >= p.max_tokens or (
                     len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
                 seq.finish_reason = "length"
         finished = seq.finish_reason is not None
+        if finished and tr.detok is not None:
+            tr.text += tr.detok.flush()  # a character cut off by the end of generation
         if finished:
             self.requests.pop(seq.request_id, None)
             self._trackers.pop(seq.request_id, None)

@@ -34,6 +34,10 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     return tuple(out) + (high,)
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     tokens: tuple[int, ...]
@@ -74,6 +78,7 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, static_argnames=("greedy_only", "num_logprobs", "penalties"),
                              donate_argnums=(1,), compiler_options={"xla_disable_hlo_passes": "rematerialization"})
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,))
+        self._gather = jax.jit(self._gather_fn)
 
     def _step_fn(self, weights, cache, prev_tokens, tokens, positions, md, sb, *, greedy_only, num_logprobs,
                  penalties):
@@ -182,17 +187,31 @@ class ModelRunner:
                                           greedy_only=greedy, num_logprobs=0, penalties=False)
         jax.block_until_ready(self.cache)
 
+    # Swap copies are padded to a power-of-two page count so they compile O(log pages) times, not
+    # once per count. Padding reads page 0 (and is cut off) and writes nowhere (dropped index).
+
     def swap_out(self, pages: list[int]):
         """Copy pages to host memory (for swap preemption)."""
-        idx = np.asarray(pages, np.int32)
-        return np.asarray(self.cache.k[:, idx]), np.asarray(self.cache.v[:, idx])
+        n = len(pages)
+        idx = np.zeros(_pow2(n), np.int32)
+        idx[:n] = pages
+        k, v = self._gather(self.cache, idx)
+        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+
+    @staticmethod
+    def _gather_fn(cache: KVCache, idx):
+        return cache.k[:, idx], cache.v[:, idx]
 
     @staticmethod
     def _swap_in_fn(cache: KVCache, k, v, idx):
-        return KVCache(cache.k.at[:, idx].set(k), cache.v.at[:, idx].set(v))
+        return KVCache(cache.k.at[:, idx].set(k, mode="drop"), cache.v.at[:, idx].set(v, mode="drop"))
 
     def swap_in(self, data, pages: list[int]) -> None:
         k, v = data
         n = k.shape[1]
         if n:
-            self.cache = self._swap_in(self.cache, k, v, np.asarray(pages[:n], np.int32))
+            m = _pow2(n)
+            idx = np.full(m, self.cache.num_pages, np.int32)  # out of range: dropped
+            idx[:n] = pages[:n]
+            pad = [(0, 0), (0, m - n)] + [(0, 0)] * (k.ndim - 2)
+            self.cache = self._swap_in(self.cache, np.pad(k, pad), np.pad(v, pad), idx)
