@@ -121,7 +121,7 @@ def _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads):
 def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                    group, num_heads, max_q, blocks_per_split, **attend_kw):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, head_dim = o_ref.shape
+    rows = o_ref.shape[0]
     block_k = attend_kw["block_k"]
     q0 = qs_ref[s]
     q_len = qs_ref[s + 1] - q0
@@ -206,8 +206,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # Decode-shaped sequences: flash-decoding with KV splits, then combine.
     part = (num_seqs, num_kv_heads, num_splits, dec_rows)
     acc, m, l = pl.pallas_call(
-        functools.partial(_decode_kernel, group=group, num_heads=num_heads, max_q=max_q_dec, blocks_per_split=blocks_per_split,
-                          block_k=dec_bk, evict_first=decode_evict_first, **attend_kw),
+        functools.partial(_decode_kernel, group=group, num_heads=num_heads, max_q=max_q_dec,
+                          blocks_per_split=blocks_per_split, block_k=dec_bk, evict_first=decode_evict_first,
+                          **attend_kw),
         grid=(num_seqs, num_kv_heads, num_splits),
         out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows, head_dim),
                                 lambda s, h, k: (s, h, k, 0, 0)),
@@ -240,13 +241,15 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         blk = query_blocks(md, num_tokens, tq, include=is_prefill, sliding_window=sliding_window,
                            max_seqs=max_prefill_seqs)
         pre = pl.pallas_call(
-            functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk, **attend_kw),
+            functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk,
+                              **attend_kw),
             grid=(blk.seq.shape[0], num_kv_heads),
             out_shape=jax.ShapeDtypeStruct((num_tokens * num_heads + pre_rows, head_dim), q.dtype),
             compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
             interpret=interpret,
             name="paged_prefill_gpu",
-        )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, q_rows, k_flat, v_flat)
+        )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, q_rows, k_flat,
+          v_flat)
         pre = pre[:num_tokens * num_heads].reshape(num_tokens, num_kv_heads, group, head_dim)
         out = jnp.where(is_prefill[seq][:, None, None, None], pre.astype(jnp.float32), out)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
