@@ -71,18 +71,19 @@ class IncrementalDetokenizer:
     def add(self, token_ids: int | Sequence[int]) -> str:
         """Append one or more ids; return the newly completed text (possibly empty)."""
         self.ids.extend([int(token_ids)] if isinstance(token_ids, numbers.Integral) else map(int, token_ids))
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        pending = len(self.ids) - self.read_offset
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and pending < _MAX_PENDING_TOKENS):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text):]
+        return self._emit(final=False)
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the end of the stream, as U+FFFD):
         called once a request finishes, so the deltas add up to decoding every id."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
+        pending = len(self.ids) - self.read_offset
+        if not final and (len(new_text) <= len(prefix_text) or (
+                new_text.endswith("\ufffd") and pending < _MAX_PENDING_TOKENS)):
+            return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text):]

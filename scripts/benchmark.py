@@ -235,7 +235,7 @@ def throughput(results, flops):
         requests=n, output_tok_s=out_tok_s, total_tok_s=(produced + 512 * n) / wall,
         mfu=(produced + 512 * n) * flops_per_tok / wall / flops, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
         tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3, peak_memory_gib=mem / 2**30,
-        kv_pages=stats["kv_pages_total"], page_size=16, max_num_batched_tokens=budget, warmup_s=warm,
+        kv_pages=stats["kv_pages_total"], page_size=llm.engine.config.page_size, max_num_batched_tokens=budget, warmup_s=warm,
         compilations_after_warmup=compilations, preemptions=stats["preemptions"],
         steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall,
         **{f"decode{seqs}_{k}": v for k, v in decode.items()})

@@ -250,6 +250,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, top: dict[int, float] | None) -> RequestOutput:
         p = seq.params
         tr = self._trackers[seq.request_id]
+        stop_cut = False
         self.counters["generation_tokens"] += 1
         if (token in self.model_config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
@@ -261,12 +262,12 @@ class LLMEngine:
                 tr.text += tr.detok.add(token)
             if p.stop and self._find_stop(tr, p.stop):
                 seq.finish_reason = "stop"
-                tr.detok = None  # the text ends before the stop string: nothing left to flush
+                stop_cut = True  # the text ends before the stop string: nothing left to flush
             elif len(seq.output_token_ids) >= p.max_tokens or (
                     len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
                 seq.finish_reason = "length"
         finished = seq.finish_reason is not None
-        if finished and tr.detok is not None:
+        if finished and tr.detok is not None and not stop_cut:
             tr.text += tr.detok.flush()  # a character cut off by the end of generation
         if finished:
             self.requests.pop(seq.request_id, None)

@@ -34,8 +34,11 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     return tuple(out) + (high,)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _padded_pages(pages: list[int], n: int, fill: int) -> np.ndarray:
+    """The first ``n`` pages, padded with ``fill`` to a power-of-two length."""
+    idx = np.full(1 << max(0, (n - 1).bit_length()), fill, np.int32)
+    idx[:n] = pages[:n]
+    return idx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +196,7 @@ class ModelRunner:
     def swap_out(self, pages: list[int]):
         """Copy pages to host memory (for swap preemption)."""
         n = len(pages)
-        idx = np.zeros(_pow2(n), np.int32)
-        idx[:n] = pages
-        k, v = self._gather(self.cache, idx)
+        k, v = self._gather(self.cache, _padded_pages(pages, n, 0))
         return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
 
     @staticmethod
@@ -210,8 +211,6 @@ class ModelRunner:
         k, v = data
         n = k.shape[1]
         if n:
-            m = _pow2(n)
-            idx = np.full(m, self.cache.num_pages, np.int32)  # out of range: dropped
-            idx[:n] = pages[:n]
-            pad = [(0, 0), (0, m - n)] + [(0, 0)] * (k.ndim - 2)
+            idx = _padded_pages(pages, n, self.cache.num_pages)  # out of range: dropped
+            pad = [(0, 0), (0, len(idx) - n)] + [(0, 0)] * (k.ndim - 2)
             self.cache = self._swap_in(self.cache, np.pad(k, pad), np.pad(v, pad), idx)
