@@ -136,12 +136,10 @@ def main():
 
     run("decode_ours_page16", res, ours_small_pages)
     if args.sweep:
-        for splits in (4, 8):
-            for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):
-                for evict in (False, True):
-                    cfg = dict(num_splits=splits, decode_warps=warps, decode_stages=stages, decode_evict_first=evict)
-                    run(f"decode_ours_s{splits}_w{warps}_st{stages}{'_ef' if evict else ''}", res,
-                        functools.partial(ours, **cfg))
+        for splits in (1, 2, 4, 8):
+            for stages in (2, 3):
+                cfg = dict(num_splits=splits, decode_stages=stages)
+                run(f"decode_ours_s{splits}_st{stages}", res, functools.partial(ours, **cfg))
     run("decode_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md)),
                                               "TB/s": kv_bytes / t / 1e12})
 

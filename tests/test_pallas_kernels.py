@@ -10,6 +10,7 @@ and padding tokens (which must come out as zeros).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -20,8 +21,11 @@ import pytest
 
 from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
-from jaxinfer.pallas_kernels import BACKENDS, get_attention
-from jaxinfer.pallas_kernels import gpu, tpu
+from jaxinfer.models.config import PRESETS
+from jaxinfer.models.llama import Ops, rope_frequencies, rope_write_kv
+from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.pallas_kernels import BACKENDS, get_kernels
+from jaxinfer.pallas_kernels import gpu, rope_kv, tpu
 
 ON_GPU = jax.default_backend() == "gpu"
 ON_TPU = jax.default_backend() == "tpu"
@@ -118,10 +122,11 @@ def test_static_layer_and_decode_only(kernel):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["mixed_f32_gqa3_d64", "mixed_bf16_gqa8_d128"])
-def test_gpu_multi_page_key_blocks(case):
+@pytest.mark.parametrize("case,splits", [("mixed_f32_gqa3_d64", 1), ("mixed_bf16_gqa8_d128", 3)])
+def test_gpu_multi_page_key_blocks(case, splits):
     """The GPU kernel's key blocks spanning several pages (rows gathered via the page table) and
-    explicit KV splits."""
+    explicit KV splits: one (the decode kernel writes the output itself) and three (rounded up to a
+    power of two, merged by the combine kernel)."""
     seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = CASES[case]
     rng = np.random.default_rng(3)
     q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
@@ -129,21 +134,52 @@ def test_gpu_multi_page_key_blocks(case):
     kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
     with jax.default_matmul_precision("float32"):
         ref = reference(q, kc, vc, 1, md, **kw)
-    kernel = functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU, num_splits=2,
+    kernel = functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU, num_splits=splits,
                                decode_block_k=4 * page_size, prefill_block_k=2 * page_size, **kw)
     out = jax.jit(kernel)(q, kc, vc, jnp.int32(1), md)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) < tol
 
 
-def test_get_attention():
-    assert get_attention("reference") is reference
+def test_get_kernels():
+    assert get_kernels("reference") == {"attention": reference}
     for name in BACKENDS:
-        assert callable(get_attention(name))
+        kernels = get_kernels(name)
+        assert callable(kernels["attention"]) and set(kernels) <= {f.name for f in dataclasses.fields(Ops)}
+    assert get_kernels("pallas_gpu")["rope_write_kv"] is rope_kv.rope_write_kv
     if jax.default_backend() == "cpu":
-        assert get_attention("auto") is reference
+        assert get_kernels("auto") == {"attention": reference}
     with pytest.raises(ValueError, match="pallas_gpu"):
-        get_attention("cuda")
+        get_kernels("cuda")
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(9, 3, 64, jnp.float32), (32, 8, 128, jnp.bfloat16)])
+def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
+    """The fused RoPE + K/V write kernel against the jnp path: q, and both caches (written slots
+    scattered over the pool, padding tokens' out-of-pool slots dropped, other slots untouched).
+    Head counts that are not powers of two (SmolLM2's 9/3) exercise the masked rows."""
+    rng = np.random.default_rng(heads)
+    num_layers, num_pages, page_size, t = 2, 6, 16, 7
+    cache = KVCache(*(jnp.asarray(rng.standard_normal((num_layers, num_pages, page_size, kv_heads, head_dim)), dtype)
+                      for _ in range(2)))
+    qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)), dtype)
+    positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
+    slots = rng.permutation(num_pages * page_size)[:t]
+    slots[-2:] = num_pages * page_size  # padding tokens
+    inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads)
+    layer = jnp.int32(1)
+    with jax.default_matmul_precision("float32"):
+        q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, positions, inv_freq, cache, layer,
+                                                                        jnp.asarray(slots))
+    kernel = functools.partial(rope_kv.rope_write_kv, interpret=not ON_GPU, **kw)
+    q, c = jax.jit(kernel, donate_argnums=(3,))(qkv, positions, inv_freq, cache, layer, jnp.asarray(slots))
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert q.shape == q_ref.shape and q.dtype == dtype
+    assert rel_err(q, q_ref) < tol
+    for got, want in ((c.k, c_ref.k), (c.v, c_ref.v)):
+        assert got.dtype == dtype and rel_err(got, want) < tol
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # other layer untouched
 
 
 def test_engine_greedy_with_interpreted_kernel_equals_reference():

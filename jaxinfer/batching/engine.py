@@ -21,10 +21,11 @@ from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, powers_of_two
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
+from jaxinfer.models.llama import Ops
 from jaxinfer.models.weights import load_model, resolve_model
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache
-from jaxinfer.pallas_kernels import get_attention
+from jaxinfer.pallas_kernels import get_kernels
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -94,7 +95,7 @@ class LLMEngine:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
                              f"max_model_len/page_size={pages_per_seq}")
-        self.runner = ModelRunner(mc, weights, cache, buckets, get_attention(config.attention_backend),
+        self.runner = ModelRunner(mc, weights, cache, buckets, Ops(**get_kernels(config.attention_backend)),
                                   max_logprobs=config.max_logprobs)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(

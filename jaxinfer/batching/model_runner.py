@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batching.scheduler import ScheduledBatch
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.llama import Weights, forward
+from jaxinfer.models.llama import Ops, Weights, forward
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 from jaxinfer.sampling import SampleResult, SamplingBatch, sample
 
@@ -62,7 +62,7 @@ class Buckets:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
-                 attention, max_logprobs: int = 20):
+                 ops: Ops, max_logprobs: int = 20):
         self.config = config
         self.weights = weights
         self.cache = cache
@@ -70,7 +70,7 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.num_compilations = 0
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
-        self._attention = attention
+        self._ops = ops
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
         # the next step reads its decode inputs from here instead of waiting for the host.
         self.last_tokens = jnp.zeros(buckets.seqs[-1], jnp.int32)
@@ -90,7 +90,7 @@ class ModelRunner:
                  tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], greedy_only, num_logprobs,
                  penalties)
         tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
-        logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._attention)
+        logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._ops)
         result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
         return result, cache, jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
 

@@ -102,41 +102,56 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-AttentionFn = Callable[..., jax.Array]
+def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache, layer,
+                  slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, KVCache]:
+    """RoPE on q and k of the fused projection ``[T, (H + 2 * KVH) * D]``, then k and v written to
+    their slots. Returns (q ``[T, H, D]``, the cache). The jnp reference of
+    ``pallas_kernels.rope_kv``, which does it in one kernel."""
+    t, hd = qkv.shape[0], cache.k.shape[-1]
+    q, k, v = jnp.split(qkv.reshape(t, num_heads + 2 * num_kv_heads, hd),
+                        [num_heads, num_heads + num_kv_heads], axis=1)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    return q, write_kv(cache, layer, k, v, slot_mapping)
 
 
-def _layer(config: ModelConfig, attention: AttentionFn, x, lw: LayerWeights, layer, cache: KVCache,
-           positions, md: BatchMetadata):
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The step's operations a backend may replace with kernels (``pallas_kernels.get_kernels``);
+    the pure-jnp reference by default (the CPU path and the oracle)."""
+
+    attention: Callable[..., jax.Array] = ragged_paged_attention
+    rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
+
+
+def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions,
+           md: BatchMetadata):
     t = x.shape[0]
-    h, kvh, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    inv_freq = rope_frequencies(config)
+    h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
 
-    qkv = linear(rms_norm(x, lw.attn_norm, config.rms_norm_eps), lw.wqkv)
-    q, k, v = jnp.split(qkv, [config.q_size, config.q_size + config.kv_size], axis=-1)
-    q = apply_rope(q.reshape(t, h, hd), positions, inv_freq)
-    k = apply_rope(k.reshape(t, kvh, hd), positions, inv_freq)
-    cache = write_kv(cache, layer, k, v.reshape(t, kvh, hd), md.slot_mapping)
-    attn = attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
+    qkv = linear(rms_norm(x, lw.attn_norm, eps), lw.wqkv)
+    q, cache = ops.rope_write_kv(qkv, positions, rope_frequencies(config), cache, layer, md.slot_mapping,
+                                 num_heads=h, num_kv_heads=kvh)
+    attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
     x = x + linear(attn.reshape(t, h * hd), lw.wo)
 
-    gate, up = jnp.split(linear(rms_norm(x, lw.mlp_norm, config.rms_norm_eps), lw.w_gate_up), 2, axis=-1)
+    gate, up = jnp.split(linear(rms_norm(x, lw.mlp_norm, eps), lw.w_gate_up), 2, axis=-1)
     x = x + linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, lw.w_down)
     return x, cache
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
-            config: ModelConfig, attention: AttentionFn = ragged_paged_attention) -> tuple[jax.Array, KVCache]:
+            config: ModelConfig, ops: Ops = Ops()) -> tuple[jax.Array, KVCache]:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place)."""
     x = weights.embed[tokens]
     if isinstance(weights.layers, list):
         for i, lw in enumerate(weights.layers):
-            x, kv_cache = _layer(config, attention, x, lw, i, kv_cache, positions, md)
+            x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md)
     else:
         def body(carry, xs):
             x, cache = carry
             lw, i = xs
-            return _layer(config, attention, x, lw, i, cache, positions, md), None
+            return _layer(config, ops, x, lw, i, cache, positions, md), None
 
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
                                         (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))

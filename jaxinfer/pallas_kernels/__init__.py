@@ -1,5 +1,10 @@
-"""Attention kernels behind one switch: ``get_attention(backend)`` returns a function with the
-reference's signature ``(q, k_cache, v_cache, layer, md, *, scale, soft_cap=None, sliding_window=None)``.
+"""Kernels behind one switch: ``get_kernels(backend)`` returns the step operations a backend
+replaces, by the field names of ``jaxinfer.models.llama.Ops``; the rest stay the model's jnp reference.
+
+- ``attention``, with the reference's signature ``(q, k_cache, v_cache, layer, md, *, scale,
+  soft_cap=None, sliding_window=None)``: every backend.
+- ``rope_write_kv`` (RoPE + K/V cache write in one kernel, rope_kv.py): ``pallas_gpu``, where it
+  replaces about five small XLA kernels per layer.
 
 Backends: ``reference`` (pure jnp, jaxinfer.paged.attention), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
@@ -19,18 +24,19 @@ from jaxinfer.paged.attention import ragged_paged_attention as reference_attenti
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret")
 
 
-def get_attention(backend: str = "auto") -> Callable:
-    """The attention function for ``backend`` (one of ``BACKENDS``)."""
+def get_kernels(backend: str = "auto") -> dict[str, Callable]:
+    """The operations ``backend`` (one of ``BACKENDS``) implements as kernels."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
     if backend == "reference":
-        return reference_attention
+        return {"attention": reference_attention}
     if backend == "pallas_gpu":
-        from jaxinfer.pallas_kernels import gpu
-        return gpu.ragged_paged_attention
+        from jaxinfer.pallas_kernels import gpu, rope_kv
+        return {"attention": gpu.ragged_paged_attention, "rope_write_kv": rope_kv.rope_write_kv}
     from jaxinfer.pallas_kernels import tpu
     if backend == "interpret":
-        return functools.partial(tpu.ragged_paged_attention, interpret=True)
-    return tpu.ragged_paged_attention
+        return {"attention": functools.partial(tpu.ragged_paged_attention, interpret=True)}
+    return {"attention": tpu.ragged_paged_attention}
+

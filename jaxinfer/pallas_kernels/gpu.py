@@ -8,20 +8,23 @@ Triton here, deliberately:
   barriers, while Mosaic GPU wants explicit TMA/mbarrier pipelines, warpgroup-shaped tiles
   (64-row wgmma, which a 1-token decode of 4 heads cannot fill) and its API moves between releases.
 - It has an interpret mode on CPU, so this exact kernel is tested on the CPU-only CI machine.
-The choice sits behind ``get_attention("pallas_gpu")``; a Mosaic GPU kernel can replace it without
+The choice sits behind ``get_kernels("pallas_gpu")``; a Mosaic GPU kernel can replace it without
 touching callers. Revisit when the Triton backend is removed.
 
 Design, and why:
 - Sequences whose query count fits one small block (decodes; ``q_len * group <= 16`` rows) go to
-  a flash-decoding kernel: grid ``(seq, kv_head, kv_split)``. Each program walks its split's pages
-  with an online softmax and writes partial (acc, m, l); an XLA combine merges the splits. Splitting
-  the KV length is what lets a few long sequences still fill all SMs.
+  a flash-decoding kernel: grid ``(seq, kv_head, kv_split)``, each program walking its split's pages
+  with an online softmax. Splitting the KV length is what lets a few long sequences still fill all
+  SMs; the split count aims at ~512 programs (a few per SM), so a large batch gets one split and the
+  kernel writes normalized rows itself, while a small one writes partials (acc, m, l) that a combine
+  kernel (one program per output row, one round of loads) merges.
 - Longer query runs (prefill chunks) go to a prefill kernel: grid ``(query block, kv_head)``, a block
   being up to ``rows // group`` tokens of one sequence against its pages, causal. Unused blocks
   return at once, and a step too small to hold a prefill run does not launch it at all.
 - GQA: the rows of a program are (token, query head of the group); one K/V page load of a kv head
-  serves all of them in one matmul. Query rows are gathered from ``q [T, H, D]`` in place and the
-  prefill kernel scatters its rows back the same way: no transposed copy of q per layer.
+  serves all of them in one matmul. Query rows are gathered from ``q [T, H, D]`` in place, and every
+  kernel scatters its output rows straight into one token-layout buffer that passes from kernel to
+  kernel aliased: no transposed copy of q, no XLA select or combine around the kernels.
 - No XLA op in here may hide a host sync (see ``kv_cache.segment_of``): the step must stay one
   stream of kernels the host can run ahead of.
 - K/V are read in place from the stacked cache ``[layers, pages, page_size, kv_heads, D]`` at the
@@ -30,11 +33,10 @@ Design, and why:
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
 powers of two (Triton block shapes); head_dim 64 or 128.
 
-Where it stands (docs/benchmarks.md, H200, jax 0.11.2): decode 64 x 4096 ctx, page_size 16 or 64:
-the kernel alone streams K/V at ~4.0 TB/s (91% of the 4.4 TB/s measured read bandwidth); the whole call,
-with the split combine and output select around it, at 3.4-3.5 TB/s (77-79%), against 1.84 TB/s for
-the deprecated Pallas paged_attention op and 0.34 TB/s for the XLA reference. Folding the combine and
-select into one kernel is the next step.
+Where it stands (docs/benchmarks.md, H200, jax 0.11.2): decode 64 x 4096 ctx, page_size 64, the
+whole call streams K/V at 3.7 TB/s (85% of the 4.4 TB/s read bandwidth measured in the same run;
+page_size 16: 3.5 TB/s), against 1.85 TB/s for the deprecated Pallas paged_attention op and 0.34 TB/s
+for the XLA reference.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.attention import token_layout
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.pallas_kernels._blocks import cdiv, query_blocks
 
 _MASK = -1e30  # finite, so fully masked rows never produce inf - inf
+# Decode programs (sequences x kv heads x KV splits) to aim for when choosing the split count:
+# a few per SM on an H200 (132 SMs), so a few long sequences still fill the GPU.
+_DECODE_PROGRAMS = 512
 
 
 def _next_pow2(n: int) -> int:
@@ -103,48 +107,87 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
     return jax.lax.fori_loop(blk_lo, blk_hi, body, init)
 
 
-def _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads):
-    """Rows (token, query head of kv head ``h``'s group) of queries ``tok0 ..`` read in place from
-    ``q`` viewed as ``[T * H, D]``: row ``r`` is token ``tok0 + r // group``, head ``h * group + r % group``.
-    Returns the rows (zero past ``ntok`` tokens), the row mask and the rows' flat indices; masked rows
-    get distinct indices past ``T * H`` (an output's scratch tail) so a masked scatter never aliases."""
+def _row_index(tok0, ntok, h, rows, group, num_heads, num_rows):
+    """A program's rows as flat indices into ``[T * H, D]``: row ``r`` is token ``tok0 + r // group``,
+    query head ``h * group + r % group``. Returns (row mask, indices). Rows past ``ntok`` tokens are
+    masked and get indices past ``num_rows``: interpret mode emulates a masked scatter by
+    read-modify-write, so a masked lane must not alias a real row; out of bounds, its write is dropped."""
     r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
     row_ok = r // group < ntok
+    return row_ok, jnp.where(row_ok, (tok0 + r // group) * num_heads + h * group + r % group, num_rows + r)
+
+
+def _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads):
+    """A program's query rows, gathered in place from ``q`` viewed as ``[T * H, D]``; zero past ``ntok``."""
     num_rows, head_dim = q_ref.shape
-    idx = jnp.where(row_ok, (tok0 + r // group) * num_heads + h * group + r % group, num_rows + r)
+    row_ok, idx = _row_index(tok0, ntok, h, rows, group, num_heads, num_rows)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
     mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
-    q = plgpu.load(q_ref.at[jnp.minimum(idx, num_rows - 1)[:, None], col], mask=mask, other=0)
-    return q, mask, (idx[:, None], col)
+    return plgpu.load(q_ref.at[jnp.minimum(idx, num_rows - 1)[:, None], col], mask=mask, other=0)
 
 
-def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                   group, num_heads, max_q, blocks_per_split, **attend_kw):
-    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = o_ref.shape[0]
-    block_k = attend_kw["block_k"]
+def _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, num_rows):
+    """Normalize a program's rows and scatter them into the token-layout output ``[T * H, D]``."""
+    rows, head_dim = acc.shape
+    row_ok, idx = _row_index(tok0, ntok, h, rows, group, num_heads, num_rows)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    plgpu.store(o_ref.at[idx[:, None], col], out.astype(o_ref.dtype),
+                mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)))
+
+
+def _decode_tokens(qs_ref, s, max_q):
+    """First token and token count of sequence ``s`` if it is decode-shaped (else count 0)."""
     q0 = qs_ref[s]
     q_len = qs_ref[s + 1] - q0
-    seq_len = lens_ref[s]
-    active = (q_len > 0) & (q_len <= max_q)
+    return q0, q_len, jnp.where((q_len > 0) & (q_len <= max_q), q_len, 0)
 
-    q, _, _ = _query_rows(q_ref, q0, jnp.where(active, q_len, 0), h, rows, group, num_heads)
+
+def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_refs, group, num_heads,
+                   max_q, rows, blocks_per_split, **attend_kw):
+    """One (sequence, kv head, KV split). With one split, ``out_refs = (out_init, out)`` (aliased) and
+    the normalized rows go straight to the output; with several, ``(acc, m, l)`` partials."""
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_k = attend_kw["block_k"]
+    q0, q_len, ntok = _decode_tokens(qs_ref, s, max_q)
+    seq_len = lens_ref[s]
+    q = _query_rows(q_ref, q0, ntok, h, rows, group, num_heads)
     row_pos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
 
-    kv_hi = jnp.where(active, seq_len, 0)
+    kv_hi = jnp.where(ntok > 0, seq_len, 0)
     window = attend_kw["sliding_window"]
     kv_lo = 0 if window is None else jnp.maximum(seq_len - q_len - window + 1, 0)
     blk_lo = jnp.maximum(split * blocks_per_split, kv_lo // block_k)
     blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
     acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
                               kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if len(out_refs) == 2:
+        _store_rows(out_refs[1], acc, l, q0, ntok, h, group, num_heads, q_ref.shape[0])
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _combine_kernel(qs_ref, acc_ref, m_ref, l_ref, _, o_ref, *, group, num_heads, max_q):
+    """Merge the KV-split partials of one output row (sequence, kv head, row) and store it. A program
+    per row keeps each one a single round of loads: it is latency, not bandwidth, that costs here."""
+    s, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q0, _, ntok = _decode_tokens(qs_ref, s, max_q)
+
+    @pl.when(r // group < ntok)
+    def _():
+        m = m_ref[s, h, :, r]  # [splits]
+        w = jnp.exp(m - jnp.max(m))
+        l = jnp.sum(w * l_ref[s, h, :, r])
+        acc = jnp.sum(w[:, None] * acc_ref[s, h, :, r, :], axis=0)  # [D]
+        out = acc / jnp.where(l > 0, l, 1.0)
+        o_ref[(q0 + r // group) * num_heads + h * group + r % group, :] = out.astype(o_ref.dtype)
 
 
 def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
-                    q_ref, k_ref, v_ref, o_ref, *, group, num_heads, rows, **attend_kw):
+                    q_ref, k_ref, v_ref, _, o_ref, *, group, num_heads, rows, **attend_kw):
     b, h = pl.program_id(0), pl.program_id(1)
     block_k = attend_kw["block_k"]
     seq, tok0, ntok, pos0 = seq_ref[b], tok0_ref[b], ntok_ref[b], pos0_ref[b]
@@ -152,12 +195,11 @@ def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo
 
     @pl.when(ntok > 0)  # unused blocks (most of them in a decode-heavy step) return at once
     def _():
-        q, mask, out_idx = _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads)
+        q = _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-        acc, m, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
+        acc, _, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
                                   kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        plgpu.store(o_ref.at[out_idx], out.astype(o_ref.dtype), mask=mask)
+        _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, q_ref.shape[0])
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
@@ -189,11 +231,12 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     dec_bk, pre_bk = key_block(decode_block_k), key_block(prefill_block_k)
     num_kv_blocks = cdiv(ctx, dec_bk)
     if num_splits is None:
-        num_splits = max(1, min(num_kv_blocks, cdiv(4096, num_seqs * num_kv_heads)))
+        num_splits = cdiv(_DECODE_PROGRAMS, num_seqs * num_kv_heads)
+    num_splits = min(_next_pow2(num_splits), _next_pow2(num_kv_blocks))  # a power of two: combine loads them as one block
     blocks_per_split = cdiv(num_kv_blocks, num_splits)
-    num_splits = cdiv(num_kv_blocks, blocks_per_split)
 
-    q_rows = q.reshape(num_tokens * num_heads, head_dim)  # free; kernels gather their rows
+    num_rows = num_tokens * num_heads
+    q_rows = q.reshape(num_rows, head_dim)  # free; kernels gather their rows
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     page_table = jnp.clip(md.page_table, 0, num_pages - 1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -203,54 +246,54 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     k_flat = k_cache.reshape(k_cache.shape[0], num_pages * page_size, num_kv_heads, head_dim)
     v_flat = v_cache.reshape(k_flat.shape)
 
-    # Decode-shaped sequences: flash-decoding with KV splits, then combine.
-    part = (num_seqs, num_kv_heads, num_splits, dec_rows)
-    acc, m, l = pl.pallas_call(
-        functools.partial(_decode_kernel, group=group, num_heads=num_heads, max_q=max_q_dec,
-                          blocks_per_split=blocks_per_split, block_k=dec_bk, evict_first=decode_evict_first,
-                          **attend_kw),
-        grid=(num_seqs, num_kv_heads, num_splits),
-        out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows, head_dim),
-                                lambda s, h, k: (s, h, k, 0, 0)),
-                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows), lambda s, h, k: (s, h, k, 0)),
-                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows), lambda s, h, k: (s, h, k, 0))],
-        out_shape=[jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
-                   jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
-        interpret=interpret,
-        name="paged_decode_gpu",
-    )(layer_arr, page_table, md.seq_lens, md.query_start, q_rows, k_flat, v_flat)
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_all)  # [S, KVH, splits, rows]
-    l_all = jnp.sum(w * l, axis=2)
-    dec = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    dec = dec[:, :, :max_q_dec * group].reshape(num_seqs, num_kv_heads, max_q_dec, group, head_dim)
+    # Every kernel scatters its normalized rows into one token-layout buffer, passed from kernel to
+    # kernel in place (aliased); rows nobody writes (padding tokens) keep the zeros it starts with.
+    out = jnp.zeros((num_rows, head_dim), q.dtype)
+    out_shape = jax.ShapeDtypeStruct(out.shape, q.dtype)
+    scalars = (layer_arr, page_table, md.seq_lens, md.query_start, q_rows, k_flat, v_flat)
 
-    # Each token takes its kernel's result; padding tokens get zeros.
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq, _, valid = token_layout(md, num_tokens)
-    out = dec[seq, :, jnp.clip(t - md.query_start[seq], 0, max_q_dec - 1)]  # [T, KVH, G, D]
+    # Decode-shaped sequences: flash-decoding over (sequence, kv head, KV split).
+    decode = functools.partial(
+        pl.pallas_call, grid=(num_seqs, num_kv_heads, num_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
+        interpret=interpret, name="paged_decode_gpu")
+    decode_kw = dict(group=group, num_heads=num_heads, max_q=max_q_dec, rows=dec_rows,
+                     blocks_per_split=blocks_per_split, block_k=dec_bk, evict_first=decode_evict_first, **attend_kw)
+    if num_splits == 1:
+        out = decode(functools.partial(_decode_kernel, **decode_kw), out_shape=out_shape,
+                     input_output_aliases={len(scalars): 0})(*scalars, out)
+    else:
+        part = (num_seqs, num_kv_heads, num_splits, dec_rows)
+        acc, m, l = decode(
+            functools.partial(_decode_kernel, **decode_kw),
+            out_specs=[pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows, head_dim),
+                                    lambda s, h, k: (s, h, k, 0, 0)),
+                       pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows), lambda s, h, k: (s, h, k, 0)),
+                       pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, dec_rows), lambda s, h, k: (s, h, k, 0))],
+            out_shape=[jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+                       jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)],
+        )(*scalars)
+        out = pl.pallas_call(
+            functools.partial(_combine_kernel, group=group, num_heads=num_heads, max_q=max_q_dec),
+            grid=(num_seqs, num_kv_heads, dec_rows), out_shape=out_shape, input_output_aliases={4: 0},
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret, name="paged_decode_combine_gpu",
+        )(md.query_start, acc, m, l, out)
 
     # Prefill-shaped sequences: query blocks against their pages. A step of T tokens holds at most
     # T // (max_q_dec + 1) of them (none in a pure decode step, which then skips this kernel).
     max_prefill_seqs = num_tokens // (max_q_dec + 1)
     if max_prefill_seqs:
         q_len = md.query_start[1:] - md.query_start[:-1]
-        is_prefill = q_len > max_q_dec
-        tq = pre_rows // group
-        blk = query_blocks(md, num_tokens, tq, include=is_prefill, sliding_window=sliding_window,
-                           max_seqs=max_prefill_seqs)
-        pre = pl.pallas_call(
+        blk = query_blocks(md, num_tokens, pre_rows // group, include=q_len > max_q_dec,
+                           sliding_window=sliding_window, max_seqs=max_prefill_seqs)
+        out = pl.pallas_call(
             functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk,
                               **attend_kw),
-            grid=(blk.seq.shape[0], num_kv_heads),
-            out_shape=jax.ShapeDtypeStruct((num_tokens * num_heads + pre_rows, head_dim), q.dtype),
+            grid=(blk.seq.shape[0], num_kv_heads), out_shape=out_shape, input_output_aliases={11: 0},
             compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
             interpret=interpret,
             name="paged_prefill_gpu",
         )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, q_rows, k_flat,
-          v_flat)
-        pre = pre[:num_tokens * num_heads].reshape(num_tokens, num_kv_heads, group, head_dim)
-        out = jnp.where(is_prefill[seq][:, None, None, None], pre.astype(jnp.float32), out)
-    out = jnp.where(valid[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+          v_flat, out)
+    return out.reshape(num_tokens, num_heads, head_dim)
