@@ -23,6 +23,11 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """Triton block shapes must be powers of two: the smallest one >= ``n``."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 @dataclasses.dataclass
 class QueryBlocks:
     seq: jax.Array  # int32 [NB]: the block's sequence

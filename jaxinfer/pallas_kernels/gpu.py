@@ -49,16 +49,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.paged.kv_cache import BatchMetadata
-from jaxinfer.pallas_kernels._blocks import cdiv, query_blocks
+from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2, query_blocks
 
 _MASK = -1e30  # finite, so fully masked rows never produce inf - inf
 # Decode programs (sequences x kv heads x KV splits) to aim for when choosing the split count:
 # a few per SM on an H200 (132 SMs), so a few long sequences still fill the GPU.
 _DECODE_PROGRAMS = 512
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo, blk_hi, *,
@@ -219,20 +215,20 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs, pages_per_seq = md.page_table.shape
-    dec_rows = max(16, _next_pow2(group))  # tl.dot wants >= 16 rows
+    dec_rows = max(16, next_pow2(group))  # tl.dot wants >= 16 rows
     max_q_dec = dec_rows // group
-    pre_rows = max(prefill_rows, _next_pow2(group))
+    pre_rows = max(prefill_rows, next_pow2(group))
     ctx = pages_per_seq * page_size
 
     def key_block(requested):
         bk = page_size if requested is None else max(requested, page_size)
-        return min(bk, _next_pow2(ctx)) if bk % page_size == 0 else page_size
+        return min(bk, next_pow2(ctx)) if bk % page_size == 0 else page_size
 
     dec_bk, pre_bk = key_block(decode_block_k), key_block(prefill_block_k)
     num_kv_blocks = cdiv(ctx, dec_bk)
     if num_splits is None:
         num_splits = cdiv(_DECODE_PROGRAMS, num_seqs * num_kv_heads)
-    num_splits = min(_next_pow2(num_splits), _next_pow2(num_kv_blocks))  # a power of two: combine loads them as one block
+    num_splits = min(next_pow2(num_splits), next_pow2(num_kv_blocks))  # a power of two: combine loads them as one block
     blocks_per_split = cdiv(num_kv_blocks, num_splits)
 
     num_rows = num_tokens * num_heads

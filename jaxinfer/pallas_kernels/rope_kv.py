@@ -20,10 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.paged.kv_cache import KVCache
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+from jaxinfer.pallas_kernels._blocks import next_pow2
 
 
 def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, qkv_ref, _k, _v, q_ref, k_ref, v_ref, *,
@@ -57,7 +54,7 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, qkv_ref, _k, _v, q_r
             plgpu.store(ref.at[row[:, None], col], x.astype(ref.dtype), mask=mask)
 
     # Heads 0 .. H + KVH - 1 of the row are q then k: rotate-half RoPE.
-    n = jax.lax.broadcasted_iota(jnp.int32, (_pow2(num_heads + num_kv_heads),), 0)
+    n = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_heads + num_kv_heads),), 0)
     x1, x2 = load(n, n < num_heads + num_kv_heads)
     rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
     store(q_ref, rotated, t * num_heads + n, n < num_heads)
@@ -65,7 +62,7 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, qkv_ref, _k, _v, q_r
           (n >= num_heads) & (n < num_heads + num_kv_heads) & write_kv)
 
     # The v heads, as they are.
-    n = jax.lax.broadcasted_iota(jnp.int32, (_pow2(num_kv_heads),), 0)
+    n = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_kv_heads),), 0)
     valid = (n < num_kv_heads) & write_kv
     store(v_ref, load(num_heads + num_kv_heads + n, valid), cache_head0 + n, valid)
 
