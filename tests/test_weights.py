@@ -74,6 +74,75 @@ def test_smollm2_gguf_matches_transformers(smollm2_tokenizer, smollm2_hf):
     assert err < 1e-4
 
 
+def _llama_cpp_rope_factors(config) -> np.ndarray:
+    """What llama.cpp's converter writes as ``rope_freqs`` for Llama-3.1 scaling, computed here
+    from its published formula rather than from our rope code."""
+    rs, d = config.rope_scaling, config.head_dim
+    factors = []
+    for freq in 1.0 / config.rope_theta ** (np.arange(0, d, 2) / d):
+        wavelen = 2 * np.pi / freq
+        if wavelen < rs.original_max_position_embeddings / rs.high_freq_factor:
+            factors.append(1.0)
+        elif wavelen > rs.original_max_position_embeddings / rs.low_freq_factor:
+            factors.append(rs.factor)
+        else:
+            smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+                      / (rs.high_freq_factor - rs.low_freq_factor))
+            factors.append(1 / ((1 - smooth) / rs.factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):
+    """A Llama-3.1 GGUF as llama.cpp writes it (rope scaling as a ``rope_freqs`` tensor, Q/K rows
+    permuted, F32 tensors) reproduces transformers' logits for the same weights."""
+    from gguf import GGUFWriter
+
+    preset = PRESETS["tiny-llama3"]
+    model = save_random_hf_llama("tiny-llama3", tmp_path / "hf")
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+
+    def permute(w, heads):  # llama.cpp's Q/K row order: the two rotary halves interleaved
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+    path = str(tmp_path / "tiny-llama31.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_vocab_size(preset.vocab_size)
+    writer.add_context_length(preset.max_position_embeddings)
+    writer.add_embedding_length(preset.hidden_size)
+    writer.add_feed_forward_length(preset.intermediate_size)
+    writer.add_block_count(preset.num_layers)
+    writer.add_head_count(preset.num_heads)
+    writer.add_head_count_kv(preset.num_kv_heads)
+    writer.add_layer_norm_rms_eps(preset.rms_norm_eps)
+    writer.add_rope_freq_base(preset.rope_theta)
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(preset))
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    for i in range(preset.num_layers):
+        for gguf_name, hf_name in names.items():
+            w = sd[f"model.layers.{i}.{hf_name}.weight"]
+            if gguf_name in ("attn_q", "attn_k"):
+                w = permute(w, preset.num_heads if gguf_name == "attn_q" else preset.num_kv_heads)
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    config, weights = load_model(path)
+    assert config.rope_scaling is None and config.rope_freq_factors is not None
+    tokens = np.random.default_rng(1).integers(0, preset.vocab_size, 200).tolist()  # past the 64-token original context
+    err = rel_err(all_position_logits(config, weights, tokens), hf_logits(model, tokens))
+    print(f"llama-3.1 gguf: rel err {err:.2e}")
+    assert err < 1e-4
+    with pytest.raises(ValueError, match="rope_freq_factors has 3 entries"):
+        config.replace(rope_freq_factors=(1.0, 2.0, 3.0))
+
+
 def test_dummy_weights_from_preset_and_from_files(tmp_path):
     config, weights = load_model("tiny-llama3", load_format="dummy", dtype="bfloat16")
     assert config == PRESETS["tiny-llama3"] and weights.embed.dtype == jnp.bfloat16

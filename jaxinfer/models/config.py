@@ -33,6 +33,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Per-frequency divisors of the inverse frequencies ``[head_dim // 2]``: how llama.cpp's GGUF files
+    # carry Llama-3.1 scaling (the ``rope_freqs`` tensor) instead of the parameters above.
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -46,6 +49,9 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.layer_loop not in ("scan", "unroll"):
             raise ValueError(f"layer_loop must be 'scan' or 'unroll', got {self.layer_loop!r}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; "
+                             f"head_dim {self.head_dim} needs {self.head_dim // 2}")
 
     @property
     def q_size(self) -> int:
@@ -127,6 +133,8 @@ class ModelConfig:
             cfg["eos_token_id"] = list(self.eos_token_ids)
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if self.rope_freq_factors is not None:
+            raise ValueError("rope_freq_factors (a GGUF rope_freqs tensor) has no transformers config equivalent")
         return cfg
 
     @classmethod
@@ -150,6 +158,7 @@ class ModelConfig:
             head_dim=int(md.get(p + "attention.key_length", hidden // heads)),
             rms_norm_eps=float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(md.get(p + "rope.freq_base", 10000.0)),
+            rope_freq_factors=md.get("_rope_freq_factors"),
             max_position_embeddings=int(md.get(p + "context_length", 2048)),
             tie_word_embeddings=bool(md.get("_tied_embeddings", False)),
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),

@@ -77,9 +77,12 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies ``[head_dim // 2]``, with Llama-3.1 scaling applied when configured."""
+    """Inverse frequencies ``[head_dim // 2]``, with Llama-3.1 scaling applied when configured (as
+    parameters, from Hugging Face configs, or as per-frequency factors, from GGUF files)."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if config.rope_freq_factors is not None:
+        inv = inv / np.asarray(config.rope_freq_factors, np.float64)
     rs = config.rope_scaling
     if rs is None:
         return inv.astype(np.float32)

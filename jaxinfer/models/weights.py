@@ -225,14 +225,18 @@ def read_gguf_metadata(reader) -> dict:
     return md
 
 
+_GGUF_ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1 scaling as per-frequency factors: config, not weights
+
+
 def _gguf_config(reader) -> ModelConfig:
+    from gguf.quants import dequantize
+
     md = read_gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        # Llama-3.1 GGUFs store rope scaling as a frequency tensor that ModelConfig cannot express yet.
-        raise ValueError("GGUF files with a rope_freqs tensor (Llama-3.1 rope scaling) are not supported; "
-                         "load the Hugging Face safetensors directory instead")
-    md["_tied_embeddings"] = "output.weight" not in names
+    tensors = {t.name: t for t in reader.tensors}
+    md["_tied_embeddings"] = "output.weight" not in tensors
+    if _GGUF_ROPE_FREQS in tensors:
+        t = tensors[_GGUF_ROPE_FREQS]
+        md["_rope_freq_factors"] = tuple(float(f) for f in dequantize(t.data, t.tensor_type).reshape(-1))
     return ModelConfig.from_gguf_metadata(md)
 
 
@@ -252,6 +256,8 @@ def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
     reader = gguf_reader(path)
     out = _Assembler(config, dtype)
     for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor"):
+        if t.name == _GGUF_ROPE_FREQS:
+            continue
         w = dequantize(t.data, t.tensor_type)  # numpy shape is GGUF's reversed: [out, in]
         if t.name in _GGUF_GLOBALS:
             out.put_global(_GGUF_GLOBALS[t.name], w)
@@ -328,6 +334,8 @@ def _config_to_json(config: ModelConfig) -> dict:
 
 def _config_from_json(d: dict) -> ModelConfig:
     d = dict(d, eos_token_ids=tuple(d["eos_token_ids"]))
+    if d.get("rope_freq_factors") is not None:
+        d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
     if d["rope_scaling"] is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     return ModelConfig(**d)
