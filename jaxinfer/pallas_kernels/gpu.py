@@ -34,9 +34,9 @@ Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page
 powers of two (Triton block shapes); head_dim 64 or 128.
 
 Where it stands (docs/benchmarks.md, H200, jax 0.11.2): decode 64 x 4096 ctx, page_size 64, the
-whole call streams K/V at 3.7 TB/s (85% of the 4.4 TB/s read bandwidth measured in the same run;
-page_size 16: 3.5 TB/s), against 1.85 TB/s for the deprecated Pallas paged_attention op and 0.34 TB/s
-for the XLA reference.
+whole call streams K/V at 3.86 TB/s (87% of the 4.44 TB/s read bandwidth measured in the same run;
+page_size 16: 3.78 TB/s), against 1.88 TB/s for the deprecated Pallas paged_attention op and
+0.34 TB/s for the XLA reference.
 """
 
 from __future__ import annotations
