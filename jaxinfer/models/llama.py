@@ -61,19 +61,33 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later.
 
-    A plain dot in the activation dtype: the GPU/TPU matmul units accumulate bf16 in float32
-    anyway, and asking XLA for a float32 result plus a cast measured 16% slower for the batch-1
-    GEMV on an H200 (2.97 vs 3.54 TB/s)."""
-    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype))
+    A plain dot with a result in the activation dtype unless asked otherwise: the GPU/TPU matmul
+    units accumulate bf16 in float32 anyway, and asking XLA for a float32 result plus a cast
+    measured 16% slower for the batch-1 GEMV on an H200 (2.97 vs 3.54 TB/s)."""
+    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype), preferred_element_type=out_dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def fused_linear(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 0.0,
+                 residual: jax.Array | None = None, swiglu: bool = False, out_dtype=None) -> jax.Array:
+    """``residual + act(linear(rms_norm(x, norm), w))``, each part optional; ``swiglu`` splits the
+    result into gate | up halves and returns ``silu(gate) * up``. Every matmul of the model has this
+    shape, so a kernel (``Ops.gemv``) can do one in a single pass. The jnp reference."""
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    y = linear(x, w, out_dtype)
+    if swiglu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate.astype(jnp.float32)).astype(y.dtype) * up
+    return y if residual is None else residual + y
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -124,6 +138,15 @@ class Ops:
 
     attention: Callable[..., jax.Array] = ragged_paged_attention
     rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
+    # A kernel with ``fused_linear``'s contract for steps of at most ``gemv_rows`` tokens, where
+    # matmuls are memory-bound GEMVs and fusing the norm and epilogue into them saves kernels.
+    # Larger steps are compute-bound and keep XLA's matmuls. None: XLA everywhere.
+    gemv: Callable[..., jax.Array] | None = None
+    gemv_rows: int = 16
+
+    def linear(self, x: jax.Array, w: jax.Array, **fused) -> jax.Array:
+        small = self.gemv is not None and x.shape[0] <= self.gemv_rows
+        return (self.gemv if small else fused_linear)(x, w, **fused)
 
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions,
@@ -131,15 +154,13 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVC
     t = x.shape[0]
     h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
 
-    qkv = linear(rms_norm(x, lw.attn_norm, eps), lw.wqkv)
+    qkv = ops.linear(x, lw.wqkv, norm=lw.attn_norm, eps=eps)
     q, cache = ops.rope_write_kv(qkv, positions, rope_frequencies(config), cache, layer, md.slot_mapping,
                                  num_heads=h, num_kv_heads=kvh)
     attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
-    x = x + linear(attn.reshape(t, h * hd), lw.wo)
-
-    gate, up = jnp.split(linear(rms_norm(x, lw.mlp_norm, eps), lw.w_gate_up), 2, axis=-1)
-    x = x + linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, lw.w_down)
-    return x, cache
+    x = ops.linear(attn.reshape(t, h * hd), lw.wo, residual=x)
+    act = ops.linear(x, lw.w_gate_up, norm=lw.mlp_norm, eps=eps, swiglu=True)
+    return ops.linear(act, lw.w_down, residual=x), cache
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
@@ -158,10 +179,11 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
 
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
                                         (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
-    x = rms_norm(x[md.logits_indices], weights.final_norm, config.rms_norm_eps)
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
-                        precision=_precision(x.dtype))
+    final = dict(norm=weights.final_norm, eps=config.rms_norm_eps, out_dtype=jnp.float32)
+    if weights.lm_head is None:  # tied: a transposed operand, which XLA's dot takes as it is
+        logits = fused_linear(x[md.logits_indices], weights.embed.T, **final)
+    else:
+        logits = ops.linear(x[md.logits_indices], weights.lm_head, **final)
     return logits, kv_cache
 
 
