@@ -183,34 +183,35 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # other layer untouched
 
 
-GEMV_CASES = [  # (norm, residual, swiglu, out_dtype): the model's four uses, plus all parts at once
-    (True, False, False, None), (False, True, False, None), (True, False, True, None),
+GEMV_CASES = [  # (norm, residual, swiglu, out_dtype): the model's five uses, plus all parts at once
+    (True, False, False, None), (False, True, False, None), (False, True, True, None),
     (True, False, False, jnp.float32), (True, True, True, None)]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("splits", [1, None])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                             (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("norm,residual,swiglu,out_dtype", GEMV_CASES)
-def test_gpu_gemv_matches_reference(rows, splits, dtype, norm, residual, swiglu, out_dtype):
-    """The fused GEMV kernel against ``fused_linear``, with the epilogue in the kernel (1 split) or
-    after the split-K sum (default: 3 splits here). K = 96 and N = 80 are multiples of 16 but not of
-    the default blocks, so the block choice is exercised; K spans several loop steps."""
+def test_gpu_gemv_matches_reference(rows, splits, x_dtype, w_dtype, norm, residual, swiglu, out_dtype):
+    """The fused GEMV kernel against ``fused_linear``: stored directly (1 split), or added into the
+    residual / zeros with atomics (default: 3 splits here, when the output is float32). K = 96 and
+    N = 80 are multiples of 16 but not of the default blocks, so the block choice is exercised."""
     rng = np.random.default_rng(rows)
     k, n = 96, 80
-    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, 2 * n if swiglu else n)) / np.sqrt(k), dtype)
-    kw = dict(norm=jnp.asarray(1 + 0.1 * rng.standard_normal(k), dtype) if norm else None, eps=1e-5,
-              residual=jnp.asarray(rng.standard_normal((rows, n)), dtype) if residual else None,
+    x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k)), x_dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), w_dtype)
+    kw = dict(norm=jnp.asarray(1 + 0.1 * rng.standard_normal(k), w_dtype) if norm else None, eps=1e-5,
+              residual=jnp.asarray(rng.standard_normal((rows, n)), x_dtype) if residual else None,
               swiglu=swiglu, out_dtype=out_dtype)
-    with jax.default_matmul_precision("float32"):
-        want = jax.jit(functools.partial(fused_linear, **kw))(x, w)
+    # The model's weights are bf16; its activations bf16 (reference path) or float32 (GEMV path).
+    want = jax.jit(functools.partial(fused_linear, **kw))(x.astype(jnp.float32), w.astype(jnp.float32))
     got = jax.jit(functools.partial(gemv.fused_linear, block_k=32, splits=splits, interpret=not ON_GPU,
                                     **kw))(x, w)
-    assert got.shape == want.shape == (rows, n) and got.dtype == want.dtype
-    # bf16: the kernel rounds x * norm before the norm's rsqrt and keeps SwiGLU in float32, the
-    # reference rounds after; both are within a few bf16 ulps (2^-8) of the exact result.
-    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert got.shape == (rows, n) and got.dtype == (out_dtype or x_dtype)
+    # bf16 weights: the kernel rounds the (normalized / activated) input to bf16 for the tensor
+    # cores, as the model's bf16 path does; a few bf16 ulps (2^-8) of the exact result.
+    assert rel_err(got, want) < (1e-5 if w_dtype == jnp.float32 else 1e-2)
 
 
 def test_gpu_gemv_rejects_what_it_cannot_tile():

@@ -78,15 +78,15 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def fused_linear(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 0.0,
                  residual: jax.Array | None = None, swiglu: bool = False, out_dtype=None) -> jax.Array:
-    """``residual + act(linear(rms_norm(x, norm), w))``, each part optional; ``swiglu`` splits the
-    result into gate | up halves and returns ``silu(gate) * up``. Every matmul of the model has this
-    shape, so a kernel (``Ops.gemv``) can do one in a single pass. The jnp reference."""
+    """``residual + linear(rms_norm(act(x), norm), w)``, each part optional; ``swiglu``: ``x`` holds
+    gate | up and ``act(x) = silu(gate) * up``. Every matmul of the model has this shape, so a kernel
+    (``Ops.gemv``) can do one in a single pass. The jnp reference."""
+    if swiglu:
+        gate, up = jnp.split(x, 2, axis=-1)
+        x = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
     if norm is not None:
         x = rms_norm(x, norm, eps)
     y = linear(x, w, out_dtype)
-    if swiglu:
-        gate, up = jnp.split(y, 2, axis=-1)
-        y = jax.nn.silu(gate.astype(jnp.float32)).astype(y.dtype) * up
     return y if residual is None else residual + y
 
 
@@ -122,13 +122,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache, layer,
                   slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, KVCache]:
     """RoPE on q and k of the fused projection ``[T, (H + 2 * KVH) * D]``, then k and v written to
-    their slots. Returns (q ``[T, H, D]``, the cache). The jnp reference of
+    their slots. Returns (q ``[T, H, D]`` in the cache's dtype, the cache). The jnp reference of
     ``pallas_kernels.rope_kv``, which does it in one kernel."""
     t, hd = qkv.shape[0], cache.k.shape[-1]
     q, k, v = jnp.split(qkv.reshape(t, num_heads + 2 * num_kv_heads, hd),
                         [num_heads, num_heads + num_kv_heads], axis=1)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    return q, write_kv(cache, layer, k, v, slot_mapping)
+    return q.astype(cache.k.dtype), write_kv(cache, layer, k, v, slot_mapping)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +139,17 @@ class Ops:
     attention: Callable[..., jax.Array] = ragged_paged_attention
     rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
     # A kernel with ``fused_linear``'s contract for steps of at most ``gemv_rows`` tokens, where
-    # matmuls are memory-bound GEMVs and fusing the norm and epilogue into them saves kernels.
-    # Larger steps are compute-bound and keep XLA's matmuls. None: XLA everywhere.
+    # matmuls are memory-bound GEMVs and folding the norm, SwiGLU and residual add into them saves
+    # kernels. Such steps keep the residual stream in float32, which the kernel adds into with
+    # atomics. Larger steps are compute-bound and keep XLA's matmuls. None: XLA everywhere.
     gemv: Callable[..., jax.Array] | None = None
     gemv_rows: int = 16
 
+    def use_gemv(self, num_tokens: int) -> bool:
+        return self.gemv is not None and num_tokens <= self.gemv_rows
+
     def linear(self, x: jax.Array, w: jax.Array, **fused) -> jax.Array:
-        small = self.gemv is not None and x.shape[0] <= self.gemv_rows
-        return (self.gemv if small else fused_linear)(x, w, **fused)
+        return (self.gemv if self.use_gemv(x.shape[0]) else fused_linear)(x, w, **fused)
 
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions,
@@ -159,8 +162,8 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVC
                                  num_heads=h, num_kv_heads=kvh)
     attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
     x = ops.linear(attn.reshape(t, h * hd), lw.wo, residual=x)
-    act = ops.linear(x, lw.w_gate_up, norm=lw.mlp_norm, eps=eps, swiglu=True)
-    return ops.linear(act, lw.w_down, residual=x), cache
+    gate_up = ops.linear(x, lw.w_gate_up, norm=lw.mlp_norm, eps=eps)
+    return ops.linear(gate_up, lw.w_down, residual=x, swiglu=True), cache
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
@@ -168,6 +171,8 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place)."""
     x = weights.embed[tokens]
+    if ops.use_gemv(tokens.shape[0]):
+        x = x.astype(jnp.float32)
     if isinstance(weights.layers, list):
         for i, lw in enumerate(weights.layers):
             x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md)

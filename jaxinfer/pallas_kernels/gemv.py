@@ -1,20 +1,23 @@
 """The model's fused linear at decode batch sizes, as one Pallas (Triton) kernel for GPUs.
 
-Why: at a few tokens per step a matmul is a GEMV that streams its weight once, and XLA runs each of
-the model's linears as a split-K matmul plus a reduction, next to separate kernels for the RMSNorm
-before it and the SwiGLU or residual add after it: ~10 small kernels per layer, ~20 us of an 8B
-batch-1 layer on an H200 besides ~107 us of matmuls. Here one program owns ``block_n`` output columns
-over the whole K: it streams its weight columns in ``block_k`` rows (pipelined loads), and folds the
-rest in:
-- RMSNorm as a prologue: the norm weight scales x along K, the row's sum of squares is accumulated
-  in the same loop, and the per-row ``rsqrt`` scales the result (the norm is per row, so it commutes
-  with the matmul);
-- SwiGLU as an epilogue: a program reads its gate and its up columns, writes ``silu(gate) * up``;
-- the residual add as an epilogue.
+Why: at a few tokens per step a matmul is a GEMV that streams its weight once. XLA runs each of the
+model's linears as a split-K GEMV plus a reduction kernel, next to separate kernels for the RMSNorm
+before it and the SwiGLU after it: ~15 kernels per layer, where each small one costs a launch and a
+ramp of ~1.5 us (an 8B batch-1 layer on an H200: ~107 us of GEMVs, ~20 us of small kernels).
+Here each linear is one kernel:
+- programs own ``block_n`` output columns times a K range (split-K, ~``_PROGRAMS`` programs in all)
+  and add their partial sums straight into the float32 output with atomics: onto the residual
+  (aliased, so the residual add is free) or onto zeros. No reduction kernel;
+- RMSNorm as a prologue: the norm weight scales x along K, and each program computes the row's
+  sum of squares itself and scales its partial sums by the rsqrt (the norm is per row, so it
+  commutes with the matmul);
+- SwiGLU as a prologue: ``x = silu(gate) * up`` of the gate|up input, as the chunks are loaded.
+The float32 atomics make the summation order vary from run to run (last-bit differences), the price
+of dropping the reduction kernels.
 
 Same contract as ``jaxinfer.models.llama.fused_linear`` (the jnp reference), for at most ``MAX_ROWS``
-rows (the model uses XLA's matmuls above that, where they are compute-bound and fine). The rows are
-padded to 16 in registers (``tl.dot`` needs 16); K and the output width must be multiples of 16.
+rows (the model uses XLA's matmuls above that, where they are compute-bound). The rows are padded to
+16 in registers (``tl.dot`` needs 16); K and the output width must be multiples of 16.
 """
 
 from __future__ import annotations
@@ -43,114 +46,99 @@ def _divisor_block(n: int, target: int, name: str) -> int:
     raise ValueError(f"the GEMV kernel needs {name} to be a multiple of 16, got {n}")
 
 
-def _gemv_kernel(*refs, rows, ss_chunk, block_k, block_n, n_out, k_per_split, eps, has_norm, has_residual, swiglu,
-                 partial, evict_first, precision):
-    """Columns ``block_n * j ..`` over K rows ``k_per_split * s ..`` (grid ``(j, s)``). With ``partial``
-    the program writes its float32 partial sums (norm scale applied) to ``o_ref [S, M, N]``; otherwise
-    the finished rows to ``o_ref [M, N]``."""
+def _gemv_kernel(*refs, rows, block_k, block_n, k_per_split, ss_chunk, eps, has_norm, swiglu, accumulate,
+                 atomic, evict_first, interpret, precision):
+    """Columns ``block_n * j ..`` over K rows ``k_per_split * s ..`` (grid ``(j, s)``). ``accumulate``:
+    add into ``o_ref`` (aliased to the residual or zeros), with atomics when K is split."""
     x_ref, w_ref, *refs = refs
     g_ref = refs.pop(0) if has_norm else None
-    r_ref = refs.pop(0) if has_residual else None
-    (o_ref,) = refs
-    m, k = x_ref.shape
-    c0, split = pl.program_id(0) * block_n, pl.program_id(1)
+    o_ref = refs[-1]
+    m, k_in = x_ref.shape
+    k = k_in // 2 if swiglu else k_in
+    c0, k_lo = pl.program_id(0) * block_n, pl.program_id(1) * k_per_split
     r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
     row_ok = r < m
-    x_row = jnp.minimum(r, m - 1)[:, None]  # padding rows repeat the last one; they are not stored
-    kk = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    x_row = jnp.minimum(r, m - 1)[:, None]  # padding rows repeat the last one; they are not written
     hint = dict(eviction_policy="evict_first") if evict_first else {}
 
-    def weights(k0, c):
-        return plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c, block_n)], **hint).astype(x_ref.dtype)
+    def load_x(k0, size):
+        cols = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+        x = x_ref[x_row, cols].astype(jnp.float32)
+        if swiglu:  # silu(gate) * up, gate | up side by side
+            x = x * jax.nn.sigmoid(x) * x_ref[x_row, cols + k].astype(jnp.float32)
+        return x  # [rows, size] float32
 
-    def dot(x, w, acc):
-        return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
-
-    def body(i, carry):
-        acc, acc_up = carry
-        k0 = pl.multiple_of(split * k_per_split + i * block_k, block_k)
-        x = x_ref[x_row, k0 + kk]  # [rows, block_k]
+    def body(i, acc):
+        k0 = pl.multiple_of(k_lo + i * block_k, block_k)
+        x = load_x(k0, block_k)
         if has_norm:
-            x = (x.astype(jnp.float32) * g_ref[pl.ds(k0, block_k)].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
-        acc = dot(x, weights(k0, c0), acc)
-        if swiglu:
-            acc_up = dot(x, weights(k0, c0 + n_out), acc_up)
-        return acc, acc_up
+            x = x * g_ref[pl.ds(k0, block_k)].astype(jnp.float32)[None, :]
+        w = plgpu.load(w_ref.at[pl.ds(k0, block_k), pl.ds(c0, block_n)], **hint)
+        return acc + jnp.dot(x.astype(w.dtype), w, precision=precision, preferred_element_type=jnp.float32)
 
-    zeros = jnp.zeros((rows, block_n), jnp.float32)
-    acc, acc_up = jax.lax.fori_loop(0, k_per_split // block_k, body, (zeros, zeros))
-    if has_norm:  # the norm is per row, so its rsqrt scales the result; the sum of squares needs all of x
-        # In wide chunks: a long loop of small loads here cost as much as the whole matmul.
-        chunk = ss_chunk
-        cc = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-
+    acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((rows, block_n), jnp.float32))
+    if has_norm:  # the whole row's sum of squares, in wide chunks (a long loop of small loads is slow)
         def sumsq(i, ss):
-            x = x_ref[x_row, i * chunk + cc].astype(jnp.float32)
+            x = load_x(i * ss_chunk, ss_chunk)
             return ss + jnp.sum(x * x, axis=1)
 
-        ss = jax.lax.fori_loop(0, k // chunk, sumsq, jnp.zeros((rows,), jnp.float32))
-        scale = jax.lax.rsqrt(ss / k + eps)[:, None]
-        acc, acc_up = acc * scale, acc_up * scale
-    # Masked rows point past the end: interpret mode emulates a masked store by read-modify-write,
-    # so they must not alias a stored row (out of bounds, it drops them).
+        ss = jax.lax.fori_loop(0, k // ss_chunk, sumsq, jnp.zeros((rows,), jnp.float32))
+        acc = acc * jax.lax.rsqrt(ss / k + eps)[:, None]
+    # Padding rows point past the end. Natively they are masked; interpret mode has no masked
+    # atomics and emulates a masked store by read-modify-write, but drops out-of-bounds writes.
     out_row = jnp.where(row_ok, r, m + r)[:, None]
-    mask = jnp.broadcast_to(row_ok[:, None], (rows, block_n))
-    if partial:
-        plgpu.store(o_ref.at[split, out_row, cols], acc, mask=mask)
-        if swiglu:
-            plgpu.store(o_ref.at[split, out_row, cols + n_out], acc_up, mask=mask)
-        return
-    if swiglu:
-        acc = acc * jax.nn.sigmoid(acc) * acc_up
-    if has_residual:
-        acc = acc + r_ref[x_row, cols].astype(jnp.float32)
-    plgpu.store(o_ref.at[out_row, cols], acc.astype(o_ref.dtype), mask=mask)
+    cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    mask = None if interpret else jnp.broadcast_to(row_ok[:, None], (rows, block_n))
+    if atomic:
+        plgpu.atomic_add(o_ref, (out_row, cols), acc, mask=mask)
+    else:
+        if accumulate:  # one split: this program owns these outputs
+            acc = acc + plgpu.load(o_ref.at[jnp.minimum(out_row, m - 1), cols]).astype(jnp.float32)
+        plgpu.store(o_ref.at[out_row, cols], acc.astype(o_ref.dtype), mask=mask)
 
 
 def fused_linear(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 0.0,
                  residual: jax.Array | None = None, swiglu: bool = False, out_dtype=None,
-                 block_n: int = 128, block_k: int = 64, splits: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3, evict_first: bool = False, interpret: bool = False) -> jax.Array:
-    """``residual + act(rms_norm(x, norm) @ w)``, each part optional, for ``x [M <= MAX_ROWS, K]`` and
-    ``w [K, N]``; ``swiglu`` splits the result into gate | up halves and returns ``silu(gate) * up``.
+                 block_n: int = 128, block_k: int = 32, splits: int | None = None, num_warps: int = 4,
+                 num_stages: int = 4, evict_first: bool = False, interpret: bool = False) -> jax.Array:
+    """``residual + rms_norm(act(x), norm) @ w`` with each part optional, for ``x [M <= MAX_ROWS, K]``
+    and ``w [K, N]``; ``swiglu``: ``x`` is ``[M, 2K]`` gate | up and ``act(x) = silu(gate) * up``.
 
-    ``splits`` cuts K among programs (default: enough programs to fill the GPU); their float32
-    partials are then summed, with the epilogue, by one XLA reduction. The rest is tuning
-    (defaults from scripts/bench_kernels.py on an H200)."""
-    m, k = x.shape
-    n_out = w.shape[1] // 2 if swiglu else w.shape[1]
+    ``splits`` cuts K among programs (default: enough programs to fill the GPU). Split sums need a
+    float32 output; others get one split. The rest is tuning (defaults from a sweep on an H200,
+    see docs/benchmarks.md)."""
+    m, k_in = x.shape
+    k, n = (k_in // 2 if swiglu else k_in), w.shape[1]
     if m > MAX_ROWS:
         raise ValueError(f"the GEMV kernel takes at most {MAX_ROWS} rows, got {m}")
-    bn = _divisor_block(n_out, block_n, "the output width")
+    if w.shape[0] != k:
+        raise ValueError(f"x [{m}, {k_in}] does not fit w {w.shape} (swiglu={swiglu})")
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(x, *([residual] if residual is not None else [])))
+    bn = _divisor_block(n, block_n, "the output width")
     bk = _divisor_block(k, block_k, "the input width")
+    rows = max(16, next_pow2(m))
     if splits is None:
-        splits = max(1, _PROGRAMS // (n_out // bn))
-    splits = max(1, min(next_pow2(splits), k // bk))
+        splits = max(1, _PROGRAMS // (n // bn))
+    splits = max(1, min(next_pow2(splits), k // bk)) if out_dtype == jnp.float32 else 1
     while (k // bk) % splits:
         splits //= 2
-    out_dtype = out_dtype or x.dtype
-    rows = max(16, next_pow2(m))
-    partial = splits > 1
-    out_shape = (splits, m, w.shape[1]) if partial else (m, n_out)
-    operands = [x, w] + ([norm] if norm is not None else []) + ([residual] if residual is not None else [])
-    y = pl.pallas_call(
-        functools.partial(_gemv_kernel, rows=rows, ss_chunk=_divisor_block(k, 8192 // rows, "the input width"), block_k=bk, block_n=bn, n_out=n_out,
-                          k_per_split=k // splits, eps=eps, has_norm=norm is not None,
-                          has_residual=residual is not None, swiglu=swiglu, partial=partial,
-                          evict_first=evict_first,
-                          precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None),
-        grid=(n_out // bn, splits),
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if partial else out_dtype),
+    accumulate = splits > 1 or residual is not None
+    operands = [x, w] + ([norm] if norm is not None else [])
+    aliases = {}
+    if accumulate:  # the output starts as the residual or zeros; programs add into it
+        init = jnp.zeros((m, n), out_dtype) if residual is None else residual.astype(out_dtype)
+        aliases = {len(operands): 0}
+        operands.append(init)
+    return pl.pallas_call(
+        functools.partial(_gemv_kernel, rows=rows, block_k=bk, block_n=bn, k_per_split=k // splits,
+                          ss_chunk=_divisor_block(k, 8192 // rows, "the input width"), eps=eps,
+                          has_norm=norm is not None, swiglu=swiglu, accumulate=accumulate, atomic=splits > 1,
+                          evict_first=evict_first, interpret=interpret,
+                          precision=jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None),
+        grid=(n // bn, splits),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="fused_gemv_gpu",
     )(*operands)
-    if not partial:
-        return y
-    y = jnp.sum(y, axis=0)  # one XLA reduction kernel, with the epilogue fused into it
-    if swiglu:
-        y = jax.nn.silu(y[:, :n_out]) * y[:, n_out:]
-    if residual is not None:
-        y = y + residual.astype(jnp.float32)
-    return y.astype(out_dtype)
