@@ -14,7 +14,7 @@ import tempfile
 
 import jax
 
-MATMUL_MARKERS = ("gemm", "gemv", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot")  # gemv: ours, fused
+MATMUL_MARKERS = ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot")
 ATTENTION_MARKERS = ("paged_",)  # our Pallas kernels are named paged_decode_gpu / paged_prefill_gpu
 
 

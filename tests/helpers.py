@@ -6,26 +6,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.llama import Ops, forward
+from jaxinfer.models.llama import forward
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
 PAGE_SIZE = 16
 
 
-@functools.partial(jax.jit, static_argnames=("config", "ops"))
-def _forward(weights, tokens, positions, cache, md, config, ops):
-    return forward(weights, tokens, positions, cache, md, config, ops)[0]
+@functools.partial(jax.jit, static_argnames="config")
+def _forward(weights, tokens, positions, cache, md, config):
+    return forward(weights, tokens, positions, cache, md, config)[0]
 
 
-def all_position_logits(config, weights, tokens, ops: Ops = Ops()) -> np.ndarray:
+def all_position_logits(config, weights, tokens) -> np.ndarray:
     """Logits ``[T, V]`` of one sequence prefilled in a single step (logits_indices selects every row)."""
     t = len(tokens)
     pages = -(-t // PAGE_SIZE)
-    dtype = jax.tree.leaves(weights)[0].dtype
-    cache = KVCache.zeros(config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim, dtype)
+    cache = KVCache.zeros(config.num_layers, pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
     md = BatchMetadata(
         slot_mapping=jnp.arange(t, dtype=jnp.int32), page_table=jnp.arange(pages, dtype=jnp.int32)[None],
         seq_lens=jnp.array([t], jnp.int32), query_start=jnp.array([0, t], jnp.int32),
         logits_indices=jnp.arange(t, dtype=jnp.int32))
     positions = jnp.arange(t, dtype=jnp.int32)
-    return np.asarray(_forward(weights, jnp.asarray(tokens, jnp.int32), positions, cache, md, config, ops))
+    return np.asarray(_forward(weights, jnp.asarray(tokens, jnp.int32), positions, cache, md, config))

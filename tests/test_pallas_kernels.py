@@ -22,10 +22,10 @@ import pytest
 from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.models.config import PRESETS
-from jaxinfer.models.llama import Ops, fused_linear, init_dummy_weights, rope_frequencies, rope_write_kv
+from jaxinfer.models.llama import Ops, rope_frequencies, rope_write_kv
 from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.pallas_kernels import BACKENDS, get_kernels
-from jaxinfer.pallas_kernels import gemv, gpu, rope_kv, tpu
+from jaxinfer.pallas_kernels import gpu, rope_kv, tpu
 
 ON_GPU = jax.default_backend() == "gpu"
 ON_TPU = jax.default_backend() == "tpu"
@@ -147,7 +147,6 @@ def test_get_kernels():
         kernels = get_kernels(name)
         assert callable(kernels["attention"]) and set(kernels) <= {f.name for f in dataclasses.fields(Ops)}
     assert get_kernels("pallas_gpu")["rope_write_kv"] is rope_kv.rope_write_kv
-    assert get_kernels("pallas_gpu")["gemv"] is gemv.fused_linear
     if jax.default_backend() == "cpu":
         assert get_kernels("auto") == {"attention": reference}
     with pytest.raises(ValueError, match="pallas_gpu"):
@@ -181,62 +180,6 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
     for got, want in ((c.k, c_ref.k), (c.v, c_ref.v)):
         assert got.dtype == dtype and rel_err(got, want) < tol
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # other layer untouched
-
-
-GEMV_CASES = [  # (norm, residual, swiglu, out_dtype): the model's five uses, plus all parts at once
-    (True, False, False, None), (False, True, False, None), (False, True, True, None),
-    (True, False, False, jnp.float32), (True, True, True, None)]
-
-
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("splits", [1, None])
-@pytest.mark.parametrize("x_dtype,w_dtype", [(jnp.float32, jnp.float32), (jnp.float32, jnp.bfloat16),
-                                             (jnp.bfloat16, jnp.bfloat16)])
-@pytest.mark.parametrize("norm,residual,swiglu,out_dtype", GEMV_CASES)
-def test_gpu_gemv_matches_reference(rows, splits, x_dtype, w_dtype, norm, residual, swiglu, out_dtype):
-    """The fused GEMV kernel against ``fused_linear``: stored directly (1 split), or added into the
-    residual / zeros with atomics (default: 3 splits here, when the output is float32). K = 96 and
-    N = 80 are multiples of 16 but not of the default blocks, so the block choice is exercised."""
-    rng = np.random.default_rng(rows)
-    k, n = 96, 80
-    x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k)), x_dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), w_dtype)
-    kw = dict(norm=jnp.asarray(1 + 0.1 * rng.standard_normal(k), w_dtype) if norm else None, eps=1e-5,
-              residual=jnp.asarray(rng.standard_normal((rows, n)), x_dtype) if residual else None,
-              swiglu=swiglu, out_dtype=out_dtype)
-    # The model's weights are bf16; its activations bf16 (reference path) or float32 (GEMV path).
-    want = jax.jit(functools.partial(fused_linear, **kw))(x.astype(jnp.float32), w.astype(jnp.float32))
-    got = jax.jit(functools.partial(gemv.fused_linear, block_k=32, splits=splits, interpret=not ON_GPU,
-                                    **kw))(x, w)
-    assert got.shape == (rows, n) and got.dtype == (out_dtype or x_dtype)
-    # bf16 weights: the kernel rounds the (normalized / activated) input to bf16 for the tensor
-    # cores, as the model's bf16 path does; a few bf16 ulps (2^-8) of the exact result.
-    assert rel_err(got, want) < (1e-5 if w_dtype == jnp.float32 else 1e-2)
-
-
-def test_gpu_gemv_rejects_what_it_cannot_tile():
-    x = jnp.zeros((17, 64), jnp.float32)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        gemv.fused_linear(x, jnp.zeros((64, 64)), interpret=True)
-    with pytest.raises(ValueError, match="output width to be a multiple of 16"):
-        gemv.fused_linear(x[:4], jnp.zeros((64, 40)), interpret=True)
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama3", "tiny-llama-tied"])
-def test_forward_with_gemv_equals_reference(preset):
-    """The model with every linear of a <= 16-token step in the GEMV kernel (the untied lm_head
-    too; a tied one stays XLA's) against the jnp model: same logits to float32 rounding, same argmax."""
-    from helpers import all_position_logits
-
-    config = PRESETS[preset]
-    weights = init_dummy_weights(config, jax.random.PRNGKey(0))
-    tokens = list(range(3, 15))
-    want = all_position_logits(config, weights, tokens)
-    with jax.default_matmul_precision("float32"):
-        got = all_position_logits(config, weights, tokens,
-                                  Ops(gemv=functools.partial(gemv.fused_linear, interpret=not ON_GPU)))
-    assert rel_err(got, want) < 1e-5
-    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_engine_greedy_with_interpreted_kernel_equals_reference():

@@ -61,33 +61,19 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
 
 
-def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later.
 
-    A plain dot with a result in the activation dtype unless asked otherwise: the GPU/TPU matmul
-    units accumulate bf16 in float32 anyway, and asking XLA for a float32 result plus a cast
-    measured 16% slower for the batch-1 GEMV on an H200 (2.97 vs 3.54 TB/s)."""
-    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype), preferred_element_type=out_dtype)
+    A plain dot in the activation dtype: the GPU/TPU matmul units accumulate bf16 in float32
+    anyway, and asking XLA for a float32 result plus a cast measured 16% slower for the batch-1
+    GEMV on an H200 (2.97 vs 3.54 TB/s)."""
+    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def fused_linear(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 0.0,
-                 residual: jax.Array | None = None, swiglu: bool = False, out_dtype=None) -> jax.Array:
-    """``residual + linear(rms_norm(act(x), norm), w)``, each part optional; ``swiglu``: ``x`` holds
-    gate | up and ``act(x) = silu(gate) * up``. Every matmul of the model has this shape, so a kernel
-    (``Ops.gemv``) can do one in a single pass. The jnp reference."""
-    if swiglu:
-        gate, up = jnp.split(x, 2, axis=-1)
-        x = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
-    if norm is not None:
-        x = rms_norm(x, norm, eps)
-    y = linear(x, w, out_dtype)
-    return y if residual is None else residual + y
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -122,13 +108,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache, layer,
                   slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, KVCache]:
     """RoPE on q and k of the fused projection ``[T, (H + 2 * KVH) * D]``, then k and v written to
-    their slots. Returns (q ``[T, H, D]`` in the cache's dtype, the cache). The jnp reference of
+    their slots. Returns (q ``[T, H, D]``, the cache). The jnp reference of
     ``pallas_kernels.rope_kv``, which does it in one kernel."""
     t, hd = qkv.shape[0], cache.k.shape[-1]
     q, k, v = jnp.split(qkv.reshape(t, num_heads + 2 * num_kv_heads, hd),
                         [num_heads, num_heads + num_kv_heads], axis=1)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    return q.astype(cache.k.dtype), write_kv(cache, layer, k, v, slot_mapping)
+    return q, write_kv(cache, layer, k, v, slot_mapping)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +124,6 @@ class Ops:
 
     attention: Callable[..., jax.Array] = ragged_paged_attention
     rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
-    # A kernel with ``fused_linear``'s contract for steps of at most ``gemv_rows`` tokens, where
-    # matmuls are memory-bound GEMVs and folding the norm, SwiGLU and residual add into them saves
-    # kernels. Such steps keep the residual stream in float32, which the kernel adds into with
-    # atomics. Larger steps are compute-bound and keep XLA's matmuls. None: XLA everywhere.
-    gemv: Callable[..., jax.Array] | None = None
-    gemv_rows: int = 16
-
-    def use_gemv(self, num_tokens: int) -> bool:
-        return self.gemv is not None and num_tokens <= self.gemv_rows
-
-    def linear(self, x: jax.Array, w: jax.Array, **fused) -> jax.Array:
-        return (self.gemv if self.use_gemv(x.shape[0]) else fused_linear)(x, w, **fused)
 
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions,
@@ -157,13 +131,15 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVC
     t = x.shape[0]
     h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
 
-    qkv = ops.linear(x, lw.wqkv, norm=lw.attn_norm, eps=eps)
+    qkv = linear(rms_norm(x, lw.attn_norm, eps), lw.wqkv)
     q, cache = ops.rope_write_kv(qkv, positions, rope_frequencies(config), cache, layer, md.slot_mapping,
                                  num_heads=h, num_kv_heads=kvh)
     attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
-    x = ops.linear(attn.reshape(t, h * hd), lw.wo, residual=x)
-    gate_up = ops.linear(x, lw.w_gate_up, norm=lw.mlp_norm, eps=eps)
-    return ops.linear(gate_up, lw.w_down, residual=x, swiglu=True), cache
+    x = x + linear(attn.reshape(t, h * hd), lw.wo)
+
+    gate, up = jnp.split(linear(rms_norm(x, lw.mlp_norm, eps), lw.w_gate_up), 2, axis=-1)
+    x = x + linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, lw.w_down)
+    return x, cache
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
@@ -171,8 +147,6 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place)."""
     x = weights.embed[tokens]
-    if ops.use_gemv(tokens.shape[0]):
-        x = x.astype(jnp.float32)
     if isinstance(weights.layers, list):
         for i, lw in enumerate(weights.layers):
             x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md)
@@ -184,11 +158,10 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
 
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
                                         (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
-    final = dict(norm=weights.final_norm, eps=config.rms_norm_eps, out_dtype=jnp.float32)
-    if weights.lm_head is None:  # tied: a transposed operand, which XLA's dot takes as it is
-        logits = fused_linear(x[md.logits_indices], weights.embed.T, **final)
-    else:
-        logits = ops.linear(x[md.logits_indices], weights.lm_head, **final)
+    x = rms_norm(x[md.logits_indices], weights.final_norm, config.rms_norm_eps)
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
+                        precision=_precision(x.dtype))
     return logits, kv_cache
 
 

@@ -82,7 +82,7 @@ def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq, cache: KVCache
     q, k, v = pl.pallas_call(
         functools.partial(_rope_kv_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, num_slots=num_slots),
         grid=(num_tokens,),
-        out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads * 2, half), cache.k.dtype),
+        out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads * 2, half), qkv.dtype),
                    jax.ShapeDtypeStruct(flat, cache.k.dtype), jax.ShapeDtypeStruct(flat, cache.v.dtype)],
         input_output_aliases={5: 1, 6: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
