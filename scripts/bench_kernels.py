@@ -109,11 +109,14 @@ def main():
     ref_jit = jax.jit(functools.partial(reference, scale=scale))
     ref_out = ref_jit(q, kc, vc, layer, md) if args.only == "all" else None
 
-    def ours(**cfg):
+    def ours(case=None, **cfg):
+        """Our decode kernel on the main case, or on another ``case`` (q, k, v, md) of the same size."""
+        cq, ck, cv, cmd = case or (q, kc, vc, md)
+        want = ref_jit(cq, ck, cv, layer, cmd) if case else ref_out
         f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp, **cfg))
-        err = rel_err(f(q, kc, vc, layer, md), ref_out) if ref_out is not None else None
-        t = tm(f, q, kc, vc, layer, md)
-        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": cfg}
+        err = rel_err(f(cq, ck, cv, layer, cmd), want) if want is not None else None
+        t = tm(f, cq, ck, cv, layer, cmd)
+        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": dict(cfg, page_size=ck.shape[2])}
 
     run("decode_ours", res, ours)
     if args.only == "decode":
@@ -126,15 +129,9 @@ def main():
 
     run("decode_ours_kernel_only", res, kernel_only)
 
-    def ours_small_pages(page_size=16):  # the engine's default page size: 4 pages per key block
-        qs, kcs, vcs, mds = make_case(np.random.default_rng(0), S, ctx, 1, heads=heads, kv_heads=kv_heads,
-                                      head_dim=hd, page_size=page_size, dtype=dt)
-        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp))
-        err = rel_err(f(qs, kcs, vcs, layer, mds), ref_jit(qs, kcs, vcs, layer, mds))
-        t = tm(f, qs, kcs, vcs, layer, mds)
-        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": {"page_size": page_size}}
-
-    run("decode_ours_page16", res, ours_small_pages)
+    # The engine's default page size: 4 pages per key block, gathered through the page table.
+    run("decode_ours_page16", res, lambda: ours(make_case(np.random.default_rng(0), S, ctx, 1, heads=heads,
+                                                          kv_heads=kv_heads, head_dim=hd, page_size=16, dtype=dt)))
     if args.sweep:
         for splits in (1, 2, 4, 8):
             for stages in (2, 3):
