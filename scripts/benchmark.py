@@ -37,6 +37,8 @@ flags.DEFINE_integer("throughput_max_num_seqs", 256, "throughput: max_num_seqs."
 flags.DEFINE_integer("throughput_max_num_batched_tokens", 2048, "throughput: token budget per step.")
 flags.DEFINE_list("throughput_token_buckets", [], "throughput: step sizes to compile (default: max_num_seqs, "
                   "the budget and 1024..4096 below it; multiples of 256 measured no faster and compile 3x longer).")
+flags.register_validator("throughput_token_buckets", lambda v: all(b.isdigit() and int(b) > 0 for b in v),
+                         "--throughput_token_buckets must be positive integers")
 flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
 flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
 flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
