@@ -155,7 +155,7 @@ def test_get_kernels():
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(9, 3, 64, jnp.float32), (32, 8, 128, jnp.bfloat16)])
 def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
-    """The fused RoPE + K/V write kernel against the jnp path: q, and both caches (written slots
+    """The fused scale + RoPE + K/V write kernel against the jnp path: q, and both caches (written slots
     scattered over the pool, padding tokens' out-of-pool slots dropped, other slots untouched).
     Head counts that are not powers of two (SmolLM2's 9/3) exercise the masked rows."""
     rng = np.random.default_rng(heads)
@@ -163,6 +163,7 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
     cache = KVCache(*(jnp.asarray(rng.standard_normal((num_layers, num_pages, page_size, kv_heads, head_dim)), dtype)
                       for _ in range(2)))
     qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)), dtype)
+    scale = jnp.asarray(rng.uniform(0.2, 3.0, (t, 1)), jnp.float32)  # the attention norm's rsqrt per token
     positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
     slots = rng.permutation(num_pages * page_size)[:t]
     slots[-2:] = num_pages * page_size  # padding tokens
@@ -170,10 +171,10 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
     kw = dict(num_heads=heads, num_kv_heads=kv_heads)
     layer = jnp.int32(1)
     with jax.default_matmul_precision("float32"):
-        q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, positions, inv_freq, cache, layer,
-                                                                        jnp.asarray(slots))
+        q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, scale, positions, inv_freq, cache,
+                                                                        layer, jnp.asarray(slots))
     kernel = functools.partial(rope_kv.rope_write_kv, interpret=not ON_GPU, **kw)
-    q, c = jax.jit(kernel, donate_argnums=(3,))(qkv, positions, inv_freq, cache, layer, jnp.asarray(slots))
+    q, c = jax.jit(kernel, donate_argnums=(4,))(qkv, scale, positions, inv_freq, cache, layer, jnp.asarray(slots))
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert q.shape == q_ref.shape and q.dtype == dtype
     assert rel_err(q, q_ref) < tol

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from helpers import all_position_logits  # noqa: E402
 from jaxinfer.models.config import PRESETS  # noqa: E402
-from jaxinfer.models.weights import load_model, resolve_model, save_converted  # noqa: E402
+from jaxinfer.models.weights import CONVERTED_CONFIG, load_model, resolve_model, save_converted  # noqa: E402
 
 def rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -163,6 +163,17 @@ def test_orbax_roundtrip(tmp_path, saved_loop, loaded_loop):
     assert jax.tree.structure(restored) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_orbax_checkpoint_of_an_older_layout_is_refused(tmp_path):
+    config, weights = load_model("tiny-llama3", load_format="dummy")
+    save_converted(weights, config, str(tmp_path))
+    meta_file = tmp_path / CONVERTED_CONFIG
+    meta = json.loads(meta_file.read_text())
+    del meta["layout"]  # as written before the norm weights were folded
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="converted by an older jaxinfer .*convert the checkpoint again"):
+        load_model(str(tmp_path))
 
 
 def test_errors(tmp_path):

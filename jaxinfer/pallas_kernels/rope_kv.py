@@ -1,11 +1,13 @@
-"""RoPE on the fused QKV projection plus the K/V cache write, as one Pallas (Triton) kernel for GPUs.
+"""The attention norm's scale and RoPE on the fused QKV projection plus the K/V cache write, as one
+Pallas (Triton) kernel for GPUs.
 
 Why: XLA runs the same work as about five small kernels per layer (rotate q, rotate k, two scatters,
 a select), each mostly launch latency at decode batch sizes (~5.8 us per layer in an 8B batch-1 step
-on an H200). Here one program per token reads its QKV row once, rotates the q and k heads
-(rotate-half layout, float32 math), writes q out and k/v straight into their cache slot (the cache is
-aliased, so donated caches are updated in place). Measured: that step 4.57 -> 4.48 ms; less than the
-kernel count suggests, because XLA had fused the QKV GEMV's split-K reduction into its RoPE kernel.
+on an H200). Here one program per token reads its QKV row once, scales it by the token's RMSNorm
+scale (see ``jaxinfer.models.llama``), rotates the q and k heads (rotate-half layout, float32 math),
+writes q out and k/v straight into their cache slot (the cache is aliased, so donated caches are
+updated in place). Measured: that step 4.57 -> 4.48 ms; less than the kernel count suggests, because
+XLA had fused the QKV GEMV's split-K reduction into its RoPE kernel.
 
 Same contract as ``jaxinfer.models.llama.rope_write_kv`` (the jnp reference, the CPU path).
 Head counts need not be powers of two: rows are padded to one and masked.
@@ -24,7 +26,7 @@ from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.pallas_kernels._blocks import next_pow2
 
 
-def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, qkv_ref, _k, _v, q_ref, k_ref, v_ref, *,
+def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, scale_ref, qkv_ref, _k, _v, q_ref, k_ref, v_ref, *,
                     num_heads, num_kv_heads, num_slots):
     """One token. Refs are viewed as rows of half a head (``[..., D/2]``): ``qkv_ref`` row
     ``2 * (t * heads + n) + j`` is half ``j`` of head ``n``; ``q_ref`` likewise with H heads; the cache
@@ -36,13 +38,14 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, qkv_ref, _k, _v, q_r
     angle = pos_ref[t].astype(jnp.float32) * freq_ref[...]  # [D/2]
     cos, sin = jnp.cos(angle)[None, :], jnp.sin(angle)[None, :]
     slot = slot_ref[t]
+    scale = scale_ref[t]
     cache_head0 = (layer_ref[0] * num_slots + slot) * num_kv_heads
     write_kv = slot < num_slots  # padding tokens' slots lie past the pool: no write
 
-    def load(head, valid):  # both halves of heads ``head`` of this token, in float32
+    def load(head, valid):  # both halves of heads ``head`` of this token, scaled, in float32
         mask = jnp.broadcast_to(valid[:, None], (head.shape[0], half))
         row = 2 * (t * heads + head)  # masked lanes past the end: skipped (native) or clamped (interpret)
-        return [plgpu.load(qkv_ref.at[(row + j)[:, None], col], mask=mask, other=0).astype(jnp.float32)
+        return [plgpu.load(qkv_ref.at[(row + j)[:, None], col], mask=mask, other=0).astype(jnp.float32) * scale
                 for j in (0, 1)]
 
     def store(ref, halves, head, valid):
@@ -54,24 +57,26 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, qkv_ref, _k, _v, q_r
             row = jnp.where(valid, 2 * head + j, ref.shape[0] + 2 * lane + j)
             plgpu.store(ref.at[row[:, None], col], x.astype(ref.dtype), mask=mask)
 
-    # Heads 0 .. H + KVH - 1 of the row are q then k: rotate-half RoPE.
+    # Heads 0 .. H + KVH - 1 of the row are q then k (rotated), then the v heads (as they are).
+    # Every load is issued before the first store, so none waits behind a store.
     n = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_heads + num_kv_heads),), 0)
     x1, x2 = load(n, n < num_heads + num_kv_heads)
+    nv = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_kv_heads),), 0)
+    v_valid = (nv < num_kv_heads) & write_kv
+    v = load(num_heads + num_kv_heads + nv, v_valid)
     rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
     store(q_ref, rotated, t * num_heads + n, n < num_heads)
     store(k_ref, rotated, cache_head0 + n - num_heads,
           (n >= num_heads) & (n < num_heads + num_kv_heads) & write_kv)
-
-    # The v heads, as they are.
-    n = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_kv_heads),), 0)
-    valid = (n < num_kv_heads) & write_kv
-    store(v_ref, load(num_heads + num_kv_heads + n, valid), cache_head0 + n, valid)
+    store(v_ref, v, cache_head0 + nv, v_valid)
 
 
-def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq, cache: KVCache, layer, slot_mapping: jax.Array,
-                  *, num_heads: int, num_kv_heads: int, interpret: bool = False) -> tuple[jax.Array, KVCache]:
-    """Rotate q and k of ``qkv [T, (H + 2 * KVH) * D]`` at ``positions``; write k and v to ``slot_mapping``
-    of layer ``layer`` in ``cache``. Returns (q ``[T, H, D]``, the updated cache)."""
+def rope_write_kv(qkv: jax.Array, scale: jax.Array, positions: jax.Array, inv_freq, cache: KVCache, layer,
+                  slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int,
+                  interpret: bool = False) -> tuple[jax.Array, KVCache]:
+    """Scale ``qkv [T, (H + 2 * KVH) * D]`` by ``scale [T, 1]``, rotate its q and k at ``positions``;
+    write k and v to ``slot_mapping`` of layer ``layer`` in ``cache``. Returns (q ``[T, H, D]``, the
+    updated cache)."""
     num_tokens = qkv.shape[0]
     nl, num_pages, page_size, _, head_dim = cache.k.shape
     num_slots = num_pages * page_size
@@ -84,10 +89,11 @@ def rope_write_kv(qkv: jax.Array, positions: jax.Array, inv_freq, cache: KVCache
         grid=(num_tokens,),
         out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads * 2, half), qkv.dtype),
                    jax.ShapeDtypeStruct(flat, cache.k.dtype), jax.ShapeDtypeStruct(flat, cache.v.dtype)],
-        input_output_aliases={5: 1, 6: 2},
+        input_output_aliases={6: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="rope_write_kv_gpu",
     )(jnp.asarray(layer, jnp.int32).reshape(1), positions.astype(jnp.int32), slot_mapping,
-      jnp.asarray(inv_freq, jnp.float32), qkv.reshape(-1, half), cache.k.reshape(flat), cache.v.reshape(flat))
+      jnp.asarray(inv_freq, jnp.float32), scale.reshape(num_tokens).astype(jnp.float32), qkv.reshape(-1, half),
+      cache.k.reshape(flat), cache.v.reshape(flat))
     return q.reshape(num_tokens, num_heads, head_dim), KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
