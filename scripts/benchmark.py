@@ -281,11 +281,11 @@ def hf_peer(results):
                                     F.hf_new_tokens).result()
 
 
-def _hf_generate(model: str, batch_sizes: list[int], new_tokens: int) -> dict:
+def _hf_generate(preset: str, batch_sizes: list[int], new_tokens: int) -> dict:
     import torch
     import transformers
     from jaxinfer.models.config import PRESETS
-    cfg = transformers.LlamaConfig(**PRESETS[model].to_hf_config())
+    cfg = transformers.LlamaConfig(**PRESETS[preset].to_hf_config())
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

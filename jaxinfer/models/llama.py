@@ -172,8 +172,9 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
             x, r, kv_cache = _layer(config, ops, x, r, lw, i, kv_cache, positions, md)
     else:
         def body(carry, xs):
+            x, r, cache = carry
             lw, i = xs
-            return _layer(config, ops, *carry[:2], lw, i, carry[2], positions, md), None
+            return _layer(config, ops, x, r, lw, i, cache, positions, md), None
 
         (x, r, kv_cache), _ = jax.lax.scan(body, (x, r, kv_cache),
                                            (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
