@@ -153,34 +153,40 @@ def test_get_kernels():
         get_kernels("cuda")
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(9, 3, 64, jnp.float32), (32, 8, 128, jnp.bfloat16)])
-def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype):
-    """The fused scale + RoPE + K/V write kernel against the jnp path: q, and both caches (written slots
-    scattered over the pool, padding tokens' out-of-pool slots dropped, other slots untouched).
-    Head counts that are not powers of two (SmolLM2's 9/3) exercise the masked rows."""
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_per_program", [
+    (9, 3, 64, jnp.float32, None), (9, 3, 64, jnp.float32, 3), (32, 8, 128, jnp.bfloat16, None),
+    (32, 8, 128, jnp.bfloat16, 2)])
+def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, kv_per_program):
+    """The fused norm scale + RoPE + K/V write kernel against the jnp path: q, and both caches (written
+    slots scattered over the pool, padding tokens' out-of-pool slots dropped, other slots untouched).
+    Head counts that are not powers of two (SmolLM2's 9/3) exercise the masked rows, its hidden size
+    576 the masked residual row; programs of one kv head (the default here) and of several."""
     rng = np.random.default_rng(heads)
-    num_layers, num_pages, page_size, t = 2, 6, 16, 7
+    num_layers, num_pages, page_size, t, hidden = 2, 6, 16, 7, heads * head_dim
     cache = KVCache(*(jnp.asarray(rng.standard_normal((num_layers, num_pages, page_size, kv_heads, head_dim)), dtype)
                       for _ in range(2)))
     qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)), dtype)
-    scale = jnp.asarray(rng.uniform(0.2, 3.0, (t, 1)), jnp.float32)  # the attention norm's rsqrt per token
+    x = jnp.asarray(rng.standard_normal((t, hidden)) * rng.uniform(0.2, 5.0, (t, 1)), dtype)  # the residual stream
     positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
     slots = rng.permutation(num_pages * page_size)[:t]
     slots[-2:] = num_pages * page_size  # padding tokens
     inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
     layer = jnp.int32(1)
     with jax.default_matmul_precision("float32"):
-        q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, scale, positions, inv_freq, cache,
+        q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, x, positions, inv_freq, cache,
                                                                         layer, jnp.asarray(slots))
-    kernel = functools.partial(rope_kv.rope_write_kv, interpret=not ON_GPU, **kw)
-    q, c = jax.jit(kernel, donate_argnums=(4,))(qkv, scale, positions, inv_freq, cache, layer, jnp.asarray(slots))
+    kernel = functools.partial(rope_kv.rope_write_kv, interpret=not ON_GPU, kv_per_program=kv_per_program, **kw)
+    q, c = jax.jit(kernel, donate_argnums=(4,))(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots))
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert q.shape == q_ref.shape and q.dtype == dtype
     assert rel_err(q, q_ref) < tol
     for got, want in ((c.k, c_ref.k), (c.v, c_ref.v)):
         assert got.dtype == dtype and rel_err(got, want) < tol
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # other layer untouched
+    with pytest.raises(ValueError, match="kv_per_program=2 must divide num_kv_heads=3"):
+        rope_kv.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots), num_heads=9,
+                              num_kv_heads=3, eps=1e-5, kv_per_program=2)
 
 
 def test_engine_greedy_with_interpreted_kernel_equals_reference():

@@ -7,9 +7,9 @@ the single place where quantized weights will slot in.
 RMSNorm is split so that no normalized copy of the residual stream is written and read back:
 ``rms_norm(x, w) @ W == rsqrt(mean(x^2) + eps) * (x @ (w[:, None] * W))``. The norm weights are
 folded into the rows of the projection after them at load time (``fold_norm``); the per-token
-rsqrt comes with the residual add that produces ``x`` (``residual_add``) and is applied to the
-projection's output (in the RoPE kernel for Q/K/V, in SwiGLU for gate/up). At decode batch sizes
-each small kernel is mostly launch latency: the 8B batch-1 step on an H200 went from 15 to 14
+rsqrt (``rms_scale``) is applied to the projection's output: in the RoPE step for Q/K/V (whose GPU
+kernel computes it from the residual row itself) and in SwiGLU for gate/up. At decode batch sizes
+each small kernel is mostly launch latency: the 8B batch-1 step on an H200 went from 15 to 12
 kernels per layer (docs/benchmarks.md).
 """
 
@@ -117,22 +117,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def rope_write_kv(qkv: jax.Array, scale: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache,
-                  layer, slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, KVCache]:
-    """The fused projection ``[T, (H + 2 * KVH) * D]`` times each token's RMSNorm ``scale [T, 1]``,
-    RoPE on its q and k, then k and v written to their slots. Returns (q ``[T, H, D]``, the cache).
+def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, cache: KVCache,
+                  layer, slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int,
+                  eps: float) -> tuple[jax.Array, KVCache]:
+    """The fused projection ``[T, (H + 2 * KVH) * D]`` of the residual stream ``x [T, hidden]`` times
+    each token's RMSNorm scale (``rms_scale(x)``), RoPE on its q and k, then k and v written to their
+    slots. Returns (q ``[T, H, D]``, the cache).
     The jnp reference of ``pallas_kernels.rope_kv``, which does it in one kernel."""
     t, hd = qkv.shape[0], cache.k.shape[-1]
-    scaled = (qkv.astype(jnp.float32) * scale).reshape(t, num_heads + 2 * num_kv_heads, hd)
+    scaled = (qkv.astype(jnp.float32) * rms_scale(x, eps)).reshape(t, num_heads + 2 * num_kv_heads, hd)
     q, k, v = jnp.split(scaled, [num_heads, num_heads + num_kv_heads], axis=1)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     return q.astype(qkv.dtype), write_kv(cache, layer, k, v, slot_mapping)
-
-
-def residual_add(x: jax.Array, h: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """``x + h`` and its ``rms_scale`` (the next norm's), both from the float32 sum."""
-    s = x.astype(jnp.float32) + h.astype(jnp.float32)
-    return s.astype(x.dtype), rms_scale(s, eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,21 +140,19 @@ class Ops:
     rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
 
 
-def _layer(config: ModelConfig, ops: Ops, x, r, lw: LayerWeights, layer, cache: KVCache, positions,
-           md: BatchMetadata):
-    """One decoder layer on the residual stream ``x`` and its rms scale ``r``; returns both for the
-    next layer, and the cache."""
+def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions, md: BatchMetadata):
+    """One decoder layer on the residual stream ``x``; returns it and the cache."""
     t = x.shape[0]
     h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
 
-    q, cache = ops.rope_write_kv(linear(x, lw.wqkv), r, positions, rope_frequencies(config), cache, layer,
-                                 md.slot_mapping, num_heads=h, num_kv_heads=kvh)
+    q, cache = ops.rope_write_kv(linear(x, lw.wqkv), x, positions, rope_frequencies(config), cache, layer,
+                                 md.slot_mapping, num_heads=h, num_kv_heads=kvh, eps=eps)
     attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
-    x, r = residual_add(x, linear(attn.reshape(t, h * hd), lw.wo), eps)
-
+    x = x + linear(attn.reshape(t, h * hd), lw.wo)
+    r = rms_scale(x, eps)  # the MLP norm's; XLA fuses its rsqrt into SwiGLU
     gate, up = jnp.split(linear(x, lw.w_gate_up), 2, axis=-1)
-    x, r = residual_add(x, linear((jax.nn.silu(gate * r) * (up * r)).astype(x.dtype), lw.w_down), eps)
-    return x, r, cache
+    x = x + linear((jax.nn.silu(gate * r) * (up * r)).astype(x.dtype), lw.w_down)
+    return x, cache
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
@@ -166,20 +160,19 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place)."""
     x = weights.embed[tokens]
-    r = rms_scale(x, config.rms_norm_eps)
     if isinstance(weights.layers, list):
         for i, lw in enumerate(weights.layers):
-            x, r, kv_cache = _layer(config, ops, x, r, lw, i, kv_cache, positions, md)
+            x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md)
     else:
         def body(carry, xs):
-            x, r, cache = carry
+            x, cache = carry
             lw, i = xs
-            return _layer(config, ops, x, r, lw, i, cache, positions, md), None
+            return _layer(config, ops, x, lw, i, cache, positions, md), None
 
-        (x, r, kv_cache), _ = jax.lax.scan(body, (x, r, kv_cache),
-                                           (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
-    idx = md.logits_indices
-    x = (x[idx].astype(jnp.float32) * r[idx] * weights.final_norm.astype(jnp.float32)).astype(x.dtype)
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
+                                        (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
+    x = x[md.logits_indices]
+    x = (x.astype(jnp.float32) * rms_scale(x, config.rms_norm_eps) * weights.final_norm.astype(jnp.float32)).astype(x.dtype)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
                         precision=_precision(x.dtype))
