@@ -172,7 +172,8 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache),
                                         (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32)))
     x = x[md.logits_indices]
-    x = (x.astype(jnp.float32) * rms_scale(x, config.rms_norm_eps) * weights.final_norm.astype(jnp.float32)).astype(x.dtype)
+    norm = rms_scale(x, config.rms_norm_eps) * weights.final_norm.astype(jnp.float32)
+    x = (x.astype(jnp.float32) * norm).astype(x.dtype)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
                         precision=_precision(x.dtype))

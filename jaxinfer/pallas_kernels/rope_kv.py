@@ -1,16 +1,16 @@
 """The attention norm's scale and RoPE on the fused QKV projection plus the K/V cache write, as one
 Pallas (Triton) kernel for GPUs.
 
-Why: XLA runs the same work as about five small kernels per layer (rotate q, rotate k, two scatters,
-a select), each mostly launch latency at decode batch sizes (~5.8 us per layer in an 8B batch-1 step
-on an H200). Here one program per token reads its QKV row once, scales it by the token's RMSNorm
-scale (see ``jaxinfer.models.llama``), rotates the q and k heads (rotate-half layout, float32 math),
-writes q out and k/v straight into their cache slot (the cache is aliased, so donated caches are
-updated in place). Measured: that step 4.57 -> 4.48 ms; less than the kernel count suggests, because
-XLA had fused the QKV GEMV's split-K reduction into its RoPE kernel.
+Why: XLA runs the same work as about seven small kernels per layer (the norm's reduction and rsqrt,
+rotate q, rotate k, two scatters, a select), each mostly launch latency at decode batch sizes. Here a
+program reads its token's residual row for the RMSNorm scale (see ``jaxinfer.models.llama``) and its
+QKV heads once, scales them, rotates the q and k heads (rotate-half layout, float32 math), writes q
+out and k/v straight into their cache slot (the cache is aliased, so donated caches are updated in
+place). Measured in the 8B batch-1 step on an H200: with the RoPE part 4.57 -> 4.48 ms; with the
+norm's scale too, 4.20 -> 4.12 ms/token (docs/benchmarks.md).
 
 Same contract as ``jaxinfer.models.llama.rope_write_kv`` (the jnp reference, the CPU path).
-Head counts need not be powers of two: rows are padded to one and masked.
+Head counts and the hidden size need not be powers of two: rows are padded to one and masked.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from jaxinfer.pallas_kernels._blocks import next_pow2
 def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, _k, _v, q_ref, k_ref, v_ref, *,
                     num_heads, num_kv_heads, num_slots, kv_per_program, hidden, eps):
     """One token's ``kv_per_program`` kv heads and their query heads. Refs are viewed as rows of half a
-    head (``[..., D/2]``): ``qkv_ref`` row
-    ``2 * (t * heads + n) + j`` is half ``j`` of head ``n``; ``q_ref`` likewise with H heads; the cache
-    refs row ``2 * ((layer * slots + slot) * KVH + n) + j``; ``x_ref`` is the residual stream, flat."""
+    head (``[..., D/2]``): ``qkv_ref`` row ``2 * (t * heads + n) + j`` is half ``j`` of head ``n``;
+    ``q_ref`` likewise with H heads; the cache refs row ``2 * ((layer * slots + slot) * KVH + n) + j``.
+    ``x_ref`` is the residual stream, flat."""
     t, g = pl.program_id(0), pl.program_id(1)
     half = qkv_ref.shape[1]
     heads = num_heads + 2 * num_kv_heads
