@@ -189,17 +189,24 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
                               num_kv_heads=3, eps=1e-5, kv_per_program=2)
 
 
-def test_engine_greedy_with_interpreted_kernel_equals_reference():
-    """End to end: the engine with the TPU kernel (Pallas interpret mode) generates the reference's tokens,
-    through mixed prefill-chunk + decode steps and a scanned layer loop (traced layer index)."""
+@pytest.mark.parametrize("backend", ["interpret", "pallas_gpu"])
+def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkeypatch):
+    """End to end: the engine with a backend's kernels in Pallas interpret mode generates the
+    reference's tokens, through mixed prefill-chunk + decode steps and a scanned layer loop (traced
+    layer index). ``interpret`` is the TPU kernel; ``pallas_gpu`` is patched to its kernels
+    (attention; norm scale + RoPE + K/V write) interpreted: the GPU path's wiring, checked on CPU."""
     from jaxinfer import LLM, SamplingParams
+    import jaxinfer.batching.engine as engine
 
     opts = dict(load_format="dummy", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
                 token_buckets=(8, 32), seq_buckets=(4,), page_buckets=(8,))
     prompts = [list(range(3, 3 + n)) for n in (5, 21, 40)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny-llama3", attention_backend="reference", **opts).generate(prompts, params)
-    got = LLM("tiny-llama3", attention_backend="interpret", **opts).generate(prompts, params)
+    if backend == "pallas_gpu":
+        interpreted = {name: functools.partial(fn, interpret=True) for name, fn in get_kernels(backend).items()}
+        monkeypatch.setattr(engine, "get_kernels", lambda _: interpreted)
+    got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 
 
