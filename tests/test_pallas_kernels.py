@@ -147,6 +147,7 @@ def test_get_kernels():
         kernels = get_kernels(name)
         assert callable(kernels["attention"]) and set(kernels) <= {f.name for f in dataclasses.fields(Ops)}
     assert get_kernels("pallas_gpu")["rope_write_kv"] is rope_kv.rope_write_kv
+    assert get_kernels("pallas_gpu")["decode_attention"] is gpu.rope_decode_attention
     if jax.default_backend() == "cpu":
         assert get_kernels("auto") == {"attention": reference}
     with pytest.raises(ValueError, match="pallas_gpu"):
@@ -189,12 +190,62 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
                               num_kv_heads=3, eps=1e-5, kv_per_program=2)
 
 
+@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window,fused", [
+    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, True),
+    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, False),
+    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None, True),
+    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20, True),
+    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None, True)])
+def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_heads, group, head_dim, dtype, splits,
+                                                     block_k, soft_cap, window, fused, monkeypatch):
+    """The decode-only kernel (norm scale, RoPE, K/V write and attention in one) against the jnp
+    rope_write_kv followed by the reference attention: the output and both caches. Covers a sequence
+    whose only key is its new token, new tokens at a page's first and last slot, a padding sequence
+    and padding tokens (zeros out, no cache write), SmolLM2's 9/3 heads and 576-wide residual rows,
+    one KV split (rows written directly) and several (combined), multi-page key blocks, soft-cap and
+    a sliding window; and the two-kernel path it takes for more sequences than ``_FUSED_MAX_SEQS``."""
+    if not fused:
+        monkeypatch.setattr(gpu, "_FUSED_MAX_SEQS", 1)
+    rng = np.random.default_rng(sum(seq_lens))
+    _, kc, vc, md = make_batch(rng, [(1, n) for n in seq_lens], page_size=page_size, num_kv_heads=kv_heads,
+                               head_dim=head_dim, group=group, dtype=dtype, pad_tokens=2)
+    heads, t, n = kv_heads * group, md.slot_mapping.shape[0], len(seq_lens)
+    pos = np.asarray(seq_lens) - 1
+    pages = np.asarray(md.page_table)[np.arange(n), pos // page_size]
+    slots = np.full(t, kc.shape[1] * page_size, np.int32)  # padding tokens: past the pool
+    slots[:n] = pages * page_size + pos % page_size
+    positions = np.zeros(t, np.int32)
+    positions[:n] = pos
+    md = dataclasses.replace(md, slot_mapping=jnp.asarray(slots), decode_only=True)
+    qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)), dtype)
+    x = jnp.asarray(rng.standard_normal((t, heads * head_dim)) * rng.uniform(0.2, 5.0, (t, 1)), dtype)
+    inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
+    cache, layer = KVCache(kc, vc), jnp.int32(1)
+    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    with jax.default_matmul_precision("float32"):
+        q, c_ref = rope_write_kv(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md.slot_mapping,
+                                 num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
+        ref = reference(q, c_ref.k, c_ref.v, layer, md, **kw)
+    kernel = functools.partial(gpu.rope_decode_attention, interpret=not ON_GPU, num_splits=splits,
+                               decode_block_k=block_k, num_heads=heads, eps=1e-5, **kw)
+    out, c = jax.jit(kernel, donate_argnums=(4,))(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md)
+    assert out.shape == q.shape and out.dtype == dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert not out[n:].any(), "padding tokens must produce zeros"
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel_err(out[:n], np.asarray(ref.astype(jnp.float32))[:n]) < tol
+    for got, want in ((c.k, c_ref.k), (c.v, c_ref.v)):
+        assert rel_err(got, want) < tol
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # other layer untouched
+
+
 @pytest.mark.parametrize("backend", ["interpret", "pallas_gpu"])
 def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkeypatch):
     """End to end: the engine with a backend's kernels in Pallas interpret mode generates the
     reference's tokens, through mixed prefill-chunk + decode steps and a scanned layer loop (traced
     layer index). ``interpret`` is the TPU kernel; ``pallas_gpu`` is patched to its kernels
-    (attention; norm scale + RoPE + K/V write) interpreted: the GPU path's wiring, checked on CPU."""
+    (attention; norm scale + RoPE + K/V write; both in one for decode-only steps) interpreted: the
+    GPU path's wiring, checked on CPU."""
     from jaxinfer import LLM, SamplingParams
     import jaxinfer.batching.engine as engine
 

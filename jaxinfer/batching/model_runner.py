@@ -59,6 +59,11 @@ class Buckets:
         return [(t, s, p) for t, s, p in itertools.product(self.tokens, self.seqs, self.pages)
                 if s <= t or s == self.seqs[0]]
 
+    def decode_shapes(self):
+        """The (tokens, seqs, pages) a decode-only step (one token per sequence) can take."""
+        pairs = {(self.pick(self.tokens, n), self.pick(self.seqs, n)) for n in range(1, self.seqs[-1] + 1)}
+        return [(t, s, p) for t, s in sorted(pairs) for p in self.pages]
+
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
@@ -71,6 +76,8 @@ class ModelRunner:
         self.num_compilations = 0
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
+        # Decode-only steps compile separately only where the backend has a kernel for them.
+        self._decode_kernel = ops.decode_attention is not None
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
         # the next step reads its decode inputs from here instead of waiting for the host.
         self.last_tokens = jnp.zeros(buckets.seqs[-1], jnp.int32)
@@ -86,9 +93,9 @@ class ModelRunner:
     def _step_fn(self, weights, cache, prev_tokens, tokens, positions, md, sb, *, greedy_only, num_logprobs,
                  penalties):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled shape
-        log.info("compiling step: tokens=%d seqs=%d pages=%d greedy_only=%s logprobs=%d penalties=%s",
-                 tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], greedy_only, num_logprobs,
-                 penalties)
+        log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%d penalties=%s",
+                 tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
+                 num_logprobs, penalties)
         tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
         logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._ops)
         result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
@@ -131,7 +138,8 @@ class ModelRunner:
         query_start[:n_seqs] = offsets[:-1]
         logits_idx = np.zeros(s_pad, np.int32)
         logits_idx[:n_seqs] = offsets[1:] - 1
-        md = BatchMetadata(slots, page_table, seq_lens, query_start, logits_idx)
+        md = BatchMetadata(slots, page_table, seq_lens, query_start, logits_idx,
+                           decode_only=self._decode_kernel and n_real == n_seqs)
 
         def column(values, dtype, fill=0):
             out = np.full(s_pad, fill, dtype)
@@ -173,16 +181,19 @@ class ModelRunner:
         return result
 
     def warmup(self, shapes=None, greedy_only: bool = False) -> None:
-        """Compile every bucket ahead of time, greedy and (unless ``greedy_only``) sampled steps
-        (logprobs and penalties compile on first use)."""
+        """Compile every bucket ahead of time, greedy and (unless ``greedy_only``) sampled steps, and
+        the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
+        compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
+        decode = set(self.buckets.decode_shapes()) if self._decode_kernel else set()
+        steps = [(x, False) for x in shapes] + [(x, True) for x in shapes if x in decode]
         variants = (True,) if greedy_only else (True, False)
-        for (t, s, p), greedy in tqdm([(x, g) for x in shapes for g in variants], desc="compiling buckets",
-                                      unit="step"):
+        for ((t, s, p), decode_only), greedy in tqdm([(x, g) for x in steps for g in variants],
+                                                     desc="compiling buckets", unit="step"):
             tokens = np.zeros(t, np.int32)
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
-                               np.zeros(s + 1, np.int32), np.zeros(s, np.int32))
+                               np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
             z = np.zeros(s, np.float32)
             sb = SamplingBatch(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
                                z, z, np.zeros(16, np.int32), np.zeros(16, np.int32), np.zeros(16, np.float32))

@@ -138,6 +138,9 @@ class Ops:
 
     attention: Callable[..., jax.Array] = ragged_paged_attention
     rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
+    # rope_write_kv and attention in one, for steps with ``md.decode_only``: ``(qkv, x, positions, inv_freq,
+    # cache, layer, md, *, num_heads, eps, scale) -> (attention output [T, H, D], cache)``. None: the two.
+    decode_attention: Callable[..., tuple[jax.Array, KVCache]] | None = None
 
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions, md: BatchMetadata):
@@ -145,9 +148,14 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVC
     t = x.shape[0]
     h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
 
-    q, cache = ops.rope_write_kv(linear(x, lw.wqkv), x, positions, rope_frequencies(config), cache, layer,
-                                 md.slot_mapping, num_heads=h, num_kv_heads=kvh, eps=eps)
-    attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
+    qkv, inv_freq = linear(x, lw.wqkv), rope_frequencies(config)
+    if md.decode_only and ops.decode_attention is not None:
+        attn, cache = ops.decode_attention(qkv, x, positions, inv_freq, cache, layer, md, num_heads=h, eps=eps,
+                                           scale=hd ** -0.5)
+    else:
+        q, cache = ops.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping, num_heads=h,
+                                     num_kv_heads=kvh, eps=eps)
+        attn = ops.attention(q, cache.k, cache.v, layer, md, scale=hd ** -0.5)
     x = x + linear(attn.reshape(t, h * hd), lw.wo)
     r = rms_scale(x, eps)  # the MLP norm's; XLA fuses its rsqrt into SwiGLU
     gate, up = jnp.split(linear(x, lw.w_gate_up), 2, axis=-1)

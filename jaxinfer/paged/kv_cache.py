@@ -60,6 +60,9 @@ class BatchMetadata:
     seq_lens: jax.Array  # int32 [S]: context length of each sequence including this step's tokens
     query_start: jax.Array  # int32 [S + 1]: cumulative query lengths (packed token offsets)
     logits_indices: jax.Array  # int32 [S]: packed index of the token whose logits are sampled
+    # Static: every sequence has one query token (or none, padding). Steps compile separately for it,
+    # so a backend may run such steps through a decode-only kernel (``Ops.decode_attention``).
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def segment_of(ends: jax.Array, idx: jax.Array) -> jax.Array:

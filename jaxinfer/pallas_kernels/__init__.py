@@ -5,6 +5,7 @@ replaces, by the field names of ``jaxinfer.models.llama.Ops``; the rest stay the
   soft_cap=None, sliding_window=None)``: every backend.
 - ``rope_write_kv`` (RoPE + K/V cache write in one kernel, rope_kv.py): ``pallas_gpu``, where it
   replaces about five small XLA kernels per layer.
+- ``decode_attention`` (both of the above in the decode kernel, for decode-only steps): ``pallas_gpu``.
 
 Backends: ``reference`` (pure jnp, jaxinfer.paged.attention), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
@@ -34,7 +35,8 @@ def get_kernels(backend: str = "auto") -> dict[str, Callable]:
         return {"attention": reference_attention}
     if backend == "pallas_gpu":
         from jaxinfer.pallas_kernels import gpu, rope_kv
-        return {"attention": gpu.ragged_paged_attention, "rope_write_kv": rope_kv.rope_write_kv}
+        return {"attention": gpu.ragged_paged_attention, "rope_write_kv": rope_kv.rope_write_kv,
+                "decode_attention": gpu.rope_decode_attention}
     from jaxinfer.pallas_kernels import tpu
     if backend == "interpret":
         return {"attention": functools.partial(tpu.ragged_paged_attention, interpret=True)}
