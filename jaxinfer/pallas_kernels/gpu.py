@@ -18,6 +18,10 @@ Design, and why:
   SMs; the split count aims at ~512 programs (a few per SM), so a large batch gets one split and the
   kernel writes normalized rows itself, while a small one writes partials (acc, m, l) that a combine
   kernel (one program per output row, one round of loads) merges.
+- A decode-only step (every sequence one new token) of few sequences runs ``rope_decode_attention``:
+  the same decode kernel also computes the attention norm's scale, RoPE and the K/V write (the work
+  of ``rope_kv``), keeping the new token's key and value in registers; one kernel less per layer
+  where each is mostly launch latency.
 - Longer query runs (prefill chunks) go to a prefill kernel: grid ``(query block, kv_head)``, a block
   being up to ``rows // group`` tokens of one sequence against its pages, causal. Unused blocks
   return at once, and a step too small to hold a prefill run does not launch it at all.
