@@ -261,11 +261,12 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 
 
-@pytest.mark.parametrize("greedy_only", [True, False])
-def test_gpu_step_has_no_host_synced_loops(greedy_only):
-    """The whole engine step with the GPU kernel, lowered for CUDA (works on CPU), holds no
-    ``while`` loop: XLA:GPU reads a loop's predicate on the host every iteration, which stalls
-    the stream and the host's dispatch of the next step (``jnp.searchsorted`` did this)."""
+@pytest.mark.parametrize("greedy_only,batch", [(True, "mixed"), (False, "mixed"), (True, "decode_only")])
+def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
+    """The whole engine step with the GPU kernels, lowered for CUDA (works on CPU: Pallas emits the
+    Triton IR here), holds no ``while`` loop: XLA:GPU reads a loop's predicate on the host every
+    iteration, which stalls the stream and the host's dispatch of the next step (``jnp.searchsorted``
+    did this). A mixed step (prefill chunk + decodes) and a decode-only one (the fused decode kernel)."""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.batching.scheduler import ScheduledBatch
     from jaxinfer.batching.sequence import Sequence
@@ -275,7 +276,8 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only):
               token_buckets=(32,), seq_buckets=(4,), page_buckets=(8,))
     runner, blocks = llm.engine.runner, llm.engine.blocks
     seqs, counts = [], []
-    for i, (n, computed) in enumerate([(20, 0), (40, 39), (9, 8)]):  # one prefill chunk, two decodes
+    work = [(20, 0), (40, 39), (9, 8)] if batch == "mixed" else [(40, 39), (9, 8)]  # (tokens, computed)
+    for i, (n, computed) in enumerate(work):
         seq = Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(temperature=0.0 if greedy_only else 0.8),
                        seed=i)
         seq.page_table, _ = blocks.allocate(seq.token_ids)
@@ -283,9 +285,10 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only):
         seqs.append(seq)
         counts.append(n - computed)
     tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, counts))
-    assert flags["greedy_only"] == greedy_only
+    assert flags["greedy_only"] == greedy_only and md.decode_only == (batch == "decode_only")
     lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, tokens, positions, md, sb,
                                  **flags).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text  # the Pallas GPU kernels are in the step
+    assert ("rope_paged_decode_gpu" in text) == (batch == "decode_only")
     assert "stablehlo.while" not in text
