@@ -151,6 +151,15 @@ def _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, num_rows):
                 mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)))
 
 
+def _split_keys(split, blocks_per_split, first_pos, kv_hi, *, block_k, sliding_window, **_):
+    """Key positions ``[kv_lo, kv_hi)`` a decode sequence's queries (the first at ``first_pos``) may
+    see, and the key blocks ``[blk_lo, blk_hi)`` of them that KV split ``split`` covers."""
+    kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    blk_lo = jnp.maximum(split * blocks_per_split, kv_lo // block_k)
+    blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
+    return kv_lo, blk_lo, blk_hi
+
+
 def _decode_tokens(qs_ref, s, max_q):
     """First token and token count of sequence ``s`` if it is decode-shaped (else count 0)."""
     q0 = qs_ref[s]
@@ -163,17 +172,13 @@ def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *ou
     """One (sequence, kv head, KV split). With one split, ``out_refs = (out_init, out)`` (aliased) and
     the normalized rows go straight to the output; with several, ``(acc, m, l)`` partials."""
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_k = attend_kw["block_k"]
     q0, q_len, ntok = _decode_tokens(qs_ref, s, max_q)
     seq_len = lens_ref[s]
     q = _query_rows(q_ref, q0, ntok, h, rows, group, num_heads)
     row_pos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
 
     kv_hi = jnp.where(ntok > 0, seq_len, 0)
-    window = attend_kw["sliding_window"]
-    kv_lo = 0 if window is None else jnp.maximum(seq_len - q_len - window + 1, 0)
-    blk_lo = jnp.maximum(split * blocks_per_split, kv_lo // block_k)
-    blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
+    kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, seq_len - q_len, kv_hi, **attend_kw)
     acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
                               kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
     if len(out_refs) == 2:
@@ -214,22 +219,16 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
     heads = num_heads + 2 * num_kv_heads
     head_dim = qkv_ref.shape[1]
     half = head_dim // 2
-    block_k = attend_kw["block_k"]
     q0 = qs_ref[s]
     live = qs_ref[s + 1] - q0 == 1  # padding sequences have no token
     tok = jnp.where(live, q0, 0)
     pos = lens_ref[s] - 1
 
-    kv_hi = jnp.where(live, pos, 0)
-    window = attend_kw["sliding_window"]
-    kv_lo = 0 if window is None else jnp.maximum(pos - window + 1, 0)
-    blk_lo = jnp.maximum(split * blocks_per_split, kv_lo // block_k)
-    blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
-    new = {}
+    kv_hi = jnp.where(live, pos, 0)  # the new token itself comes from registers, not the cache
+    kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, pos, kv_hi, **attend_kw)
+    new = {}  # what rope_q computes besides q, for after the attention loop
 
     def rope_q():  # called once the first K/V page loads are in flight
-        xcol = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(hidden),), 0)
-        xrow = plgpu.load(x_ref.at[tok * hidden + xcol], mask=xcol < hidden, other=0).astype(jnp.float32)
         col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
         def head_rows(row, mask):  # [n, D] and its halves swapped, float32
@@ -243,7 +242,7 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
         q_raw = head_rows(tok * heads + h * group + jnp.minimum(r, group - 1), row_ok)
         k_raw = head_rows(one + tok * heads + num_heads + h, live)
         v_raw = head_rows(one + tok * heads + num_heads + num_kv_heads + h, live)[0]
-        norm = jax.lax.rsqrt(jnp.sum(xrow * xrow) / hidden + eps)
+        norm = rope_kv.row_rms_scale(x_ref, tok, hidden, eps)  # its load joins those above before any use
         angle = pos.astype(jnp.float32) * freq_ref[col % half]
         cos, sin = jnp.cos(angle), jnp.where(col < half, -jnp.sin(angle), jnp.sin(angle))
 

@@ -26,6 +26,13 @@ from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.pallas_kernels._blocks import next_pow2
 
 
+def row_rms_scale(x_ref, t, hidden: int, eps: float):
+    """``llama.rms_scale`` of token ``t``'s row of the residual stream ``x_ref`` (flat ``[T * hidden]``)."""
+    col = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(hidden),), 0)
+    row = plgpu.load(x_ref.at[t * hidden + col], mask=col < hidden, other=0).astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(row * row) / hidden + eps)
+
+
 def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, _k, _v, q_ref, k_ref, v_ref, *,
                     num_heads, num_kv_heads, num_slots, kv_per_program, hidden, eps):
     """One token's ``kv_per_program`` kv heads and their query heads. Refs are viewed as rows of half a
@@ -39,11 +46,9 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, _k, 
     angle = pos_ref[t].astype(jnp.float32) * freq_ref[...]  # [D/2]
     cos, sin = jnp.cos(angle)[None, :], jnp.sin(angle)[None, :]
     slot = slot_ref[t]
-    # The attention norm's scale (llama.rms_scale), from the token's residual row: in XLA it would be
-    # two kernels of its own (reduction, rsqrt), mostly launch latency at decode batch sizes.
-    xcol = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(hidden),), 0)
-    xrow = plgpu.load(x_ref.at[t * hidden + xcol], mask=xcol < hidden, other=0).astype(jnp.float32)
-    scale = jax.lax.rsqrt(jnp.sum(xrow * xrow) / hidden + eps)
+    # The attention norm's scale: in XLA it would be two kernels of its own (reduction, rsqrt), mostly
+    # launch latency at decode batch sizes.
+    scale = row_rms_scale(x_ref, t, hidden, eps)
     cache_head0 = (layer_ref[0] * num_slots + slot) * num_kv_heads
     write_kv = slot < num_slots  # padding tokens' slots lie past the pool: no write
 
