@@ -193,3 +193,36 @@ def test_kv_utilization_vs_static_allocation():
             static.append(stored / (len(running) * eng.max_model_len))
     assert np.mean(paged) >= 0.95, np.mean(paged)
     assert np.mean(static) < 0.8
+
+
+def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
+    """A backend's decode-only op takes decode-only steps of at most ``decode_attention_max_seqs``
+    (padded) sequences: warm-up compiles those variants and no others, larger decode steps run as
+    ordinary ones, nothing compiles after warm-up, and the tokens are the requests' run alone. The op
+    here is the jnp composition, recording the sequence bucket of each step it is traced for."""
+    import jaxinfer.batching.engine as engine
+    from jaxinfer.models.llama import rope_write_kv
+    from jaxinfer.paged.attention import ragged_paged_attention
+
+    traced = []
+
+    def decode_attention(qkv, x, positions, inv_freq, cache, layer, md, *, num_heads, eps, scale):
+        traced.append(md.page_table.shape[0])
+        q, cache = rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping, num_heads=num_heads,
+                                 num_kv_heads=cache.k.shape[3], eps=eps)
+        return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale), cache
+
+    monkeypatch.setattr(engine, "get_kernels", lambda _: {"attention": ragged_paged_attention,
+                                                          "decode_attention": decode_attention,
+                                                          "decode_attention_max_seqs": 2})
+    eng = LLM("tiny-llama3", **BASE).engine
+    eng.warmup(greedy_only=True)
+    assert set(traced) == {1, 2}, traced  # the decode-only variants of the 1- and 2-sequence buckets only
+    compiled, traced[:] = eng.num_compilations, []
+    ps = make_prompts(11, 5, 3, 40)
+    # 5 at once: decode steps of 5 (bucket 8) and 3-4 (bucket 4) sequences, then 1-2 as they finish
+    done = drive(eng, [(0, p) for p in ps], [greedy(n) for n in (4, 8, 12, 16, 20)])
+    assert eng.num_compilations == compiled, "a step shape was compiled after warm-up"
+    assert not traced  # compiled in warm-up: no step retraced the op
+    for i, (p, n) in enumerate(zip(ps, (4, 8, 12, 16, 20))):
+        assert done[f"r{i}"].token_ids == alone(tuple(p), n)

@@ -190,22 +190,19 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
                               num_kv_heads=3, eps=1e-5, kv_per_program=2)
 
 
-@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window,fused", [
-    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, True),
-    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, False),
-    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None, True),
-    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20, True),
-    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None, True)])
+@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window", [
+    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None),
+    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None),
+    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20),
+    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None)])
 def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_heads, group, head_dim, dtype, splits,
-                                                     block_k, soft_cap, window, fused, monkeypatch):
+                                                     block_k, soft_cap, window):
     """The decode-only kernel (norm scale, RoPE, K/V write and attention in one) against the jnp
     rope_write_kv followed by the reference attention: the output and both caches. Covers a sequence
     whose only key is its new token, new tokens at a page's first and last slot, a padding sequence
     and padding tokens (zeros out, no cache write), SmolLM2's 9/3 heads and 576-wide residual rows,
     one KV split (rows written directly) and several (combined), multi-page key blocks, soft-cap and
-    a sliding window; and the two-kernel path it takes for more sequences than ``_FUSED_MAX_SEQS``."""
-    if not fused:
-        monkeypatch.setattr(gpu, "_FUSED_MAX_SEQS", 1)
+    a sliding window."""
     rng = np.random.default_rng(sum(seq_lens))
     _, kc, vc, md = make_batch(rng, [(1, n) for n in seq_lens], page_size=page_size, num_kv_heads=kv_heads,
                                head_dim=head_dim, group=group, dtype=dtype, pad_tokens=2)
@@ -255,7 +252,8 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny-llama3", attention_backend="reference", **opts).generate(prompts, params)
     if backend == "pallas_gpu":
-        interpreted = {name: functools.partial(fn, interpret=True) for name, fn in get_kernels(backend).items()}
+        interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) else fn
+                       for name, fn in get_kernels(backend).items()}
         monkeypatch.setattr(engine, "get_kernels", lambda _: interpreted)
     got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]

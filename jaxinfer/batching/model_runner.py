@@ -77,7 +77,7 @@ class ModelRunner:
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
         # Decode-only steps compile separately only where the backend has a kernel for them.
-        self._decode_kernel = ops.decode_attention is not None
+        self._decode_max_seqs = ops.decode_attention_max_seqs if ops.decode_attention is not None else 0
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
         # the next step reads its decode inputs from here instead of waiting for the host.
         self.last_tokens = jnp.zeros(buckets.seqs[-1], jnp.int32)
@@ -139,7 +139,7 @@ class ModelRunner:
         logits_idx = np.zeros(s_pad, np.int32)
         logits_idx[:n_seqs] = offsets[1:] - 1
         md = BatchMetadata(slots, page_table, seq_lens, query_start, logits_idx,
-                           decode_only=self._decode_kernel and n_real == n_seqs)
+                           decode_only=n_real == n_seqs and s_pad <= self._decode_max_seqs)
 
         def column(values, dtype, fill=0):
             out = np.full(s_pad, fill, dtype)
@@ -185,7 +185,7 @@ class ModelRunner:
         the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
         compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
-        decode = set(self.buckets.decode_shapes()) if self._decode_kernel else set()
+        decode = {x for x in self.buckets.decode_shapes() if x[1] <= self._decode_max_seqs}
         steps = [(x, False) for x in shapes] + [(x, True) for x in shapes if x in decode]
         variants = (True,) if greedy_only else (True, False)
         for ((t, s, p), decode_only), greedy in tqdm([(x, g) for x in steps for g in variants],

@@ -141,6 +141,9 @@ class Ops:
     # rope_write_kv and attention in one, for steps with ``md.decode_only``: ``(qkv, x, positions, inv_freq,
     # cache, layer, md, *, num_heads, eps, scale) -> (attention output [T, H, D], cache)``. None: the two.
     decode_attention: Callable[..., tuple[jax.Array, KVCache]] | None = None
+    # The most sequences (the step's padded count) a decode-only step may have to be marked
+    # ``decode_only``; larger ones run the two operations and compile no variant of their own.
+    decode_attention_max_seqs: int = 0
 
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: LayerWeights, layer, cache: KVCache, positions, md: BatchMetadata):

@@ -5,7 +5,8 @@ replaces, by the field names of ``jaxinfer.models.llama.Ops``; the rest stay the
   soft_cap=None, sliding_window=None)``: every backend.
 - ``rope_write_kv`` (RoPE + K/V cache write in one kernel, rope_kv.py): ``pallas_gpu``, where it
   replaces about five small XLA kernels per layer.
-- ``decode_attention`` (both of the above in the decode kernel, for decode-only steps): ``pallas_gpu``.
+- ``decode_attention`` (both of the above in the decode kernel, for decode-only steps of at most
+  ``decode_attention_max_seqs`` sequences, which comes with it): ``pallas_gpu``.
 
 Backends: ``reference`` (pure jnp, jaxinfer.paged.attention), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
@@ -25,7 +26,7 @@ from jaxinfer.paged.attention import ragged_paged_attention as reference_attenti
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret")
 
 
-def get_kernels(backend: str = "auto") -> dict[str, Callable]:
+def get_kernels(backend: str = "auto") -> dict[str, Callable | int]:
     """The operations ``backend`` (one of ``BACKENDS``) implements as kernels."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -36,7 +37,7 @@ def get_kernels(backend: str = "auto") -> dict[str, Callable]:
     if backend == "pallas_gpu":
         from jaxinfer.pallas_kernels import gpu, rope_kv
         return {"attention": gpu.ragged_paged_attention, "rope_write_kv": rope_kv.rope_write_kv,
-                "decode_attention": gpu.rope_decode_attention}
+                "decode_attention": gpu.rope_decode_attention, "decode_attention_max_seqs": gpu.FUSED_MAX_SEQS}
     from jaxinfer.pallas_kernels import tpu
     if backend == "interpret":
         return {"attention": functools.partial(tpu.ragged_paged_attention, interpret=True)}

@@ -60,9 +60,10 @@ _MASK = -1e30  # finite, so fully masked rows never produce inf - inf
 # Decode programs (sequences x kv heads x KV splits) to aim for when choosing the split count:
 # a few per SM on an H200 (132 SMs), so a few long sequences still fill the GPU.
 _DECODE_PROGRAMS = 512
-# Most sequences a decode-only step runs through the fused RoPE + attention kernel (see
-# rope_decode_attention); measured better at 1, worse at 256, not measured in between.
-_FUSED_MAX_SEQS = 16
+# Most sequences a decode-only step runs through the fused RoPE + attention kernel
+# (``Ops.decode_attention_max_seqs``; see rope_decode_attention): measured better at 1, worse at 256,
+# not measured in between.
+FUSED_MAX_SEQS = 16
 
 
 def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo, blk_hi, *,
@@ -423,20 +424,14 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
     sequence has one new token or none; ``positions`` are then ``seq_lens - 1``): one kernel (plus the
     split combine) instead of two. Returns (attention output ``[T, H, D]``, the cache).
 
-    Up to ``_FUSED_MAX_SEQS`` sequences, where the step is launch latency (8B batch 1 on an H200:
-    4.10 -> 4.05 ms/token). Above, it runs the two kernels: with 256 sequences the fused one was
-    slower (175 vs 171 us per layer; every program reads its token's residual row and does its RoPE)."""
+    For steps of up to ``FUSED_MAX_SEQS`` sequences, where the step is launch latency (8B batch 1 on
+    an H200: 4.10 -> 4.05 ms/token); larger steps run the two kernels: with 256 sequences the fused
+    one was slower (175 vs 171 us per layer; every program reads its token's residual row and does
+    its RoPE)."""
     num_tokens, hidden = x.shape
     nl, num_pages, page_size, num_kv_heads, head_dim = cache.k.shape
     group = num_heads // num_kv_heads
     num_seqs = md.page_table.shape[0]
-    if num_seqs > _FUSED_MAX_SEQS:
-        q, cache = rope_kv.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping,
-                                         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, interpret=interpret)
-        return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale, soft_cap=soft_cap,
-                                      sliding_window=sliding_window, num_splits=num_splits,
-                                      decode_block_k=decode_block_k, decode_warps=decode_warps,
-                                      decode_stages=decode_stages, interpret=interpret), cache
     rows = max(16, next_pow2(group))
     block_k, num_splits, blocks_per_split = _decode_plan(md, page_size, num_kv_heads, num_splits, decode_block_k)
     flat = (nl, num_pages * page_size, num_kv_heads, head_dim)
