@@ -26,10 +26,10 @@ import time
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_string("model", "smollm2-135m", "Preset, HF directory or GGUF file.")
-flags.DEFINE_string("load_format", "auto", "'auto' or 'dummy' (random weights of the preset's shapes).")
+import model_flags  # scripts/ is on sys.path when run as a script
+
+flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, hf.")
-flags.DEFINE_string("dtype", "auto", "auto, float32 or bfloat16.")
 flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
 flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
 flags.DEFINE_integer("throughput_requests", 1000, "throughput: number of requests.")
@@ -43,7 +43,6 @@ flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
 flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
 flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
 flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
-flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (shared by the runs).")
 F = flags.FLAGS
 
 log = logging.getLogger("benchmark")

@@ -15,8 +15,9 @@ from absl import logging as absl_logging
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.tokenizer import apply_chat_template
+import model_flags  # scripts/ is on sys.path when run as a script
 
-FLAGS = flags.DEFINE_string("model", "smollm2-135m", "Preset name, local HF directory, or .gguf file.")
+flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_string("prompt", None, "Raw text prompt (completion).")
 flags.DEFINE_string("chat", None, "A user message; the model's chat template is applied.")
 flags.DEFINE_string("system", None, "Optional system message for --chat.")
@@ -25,8 +26,6 @@ flags.DEFINE_float("temperature", 0.7, "Sampling temperature; 0 is greedy.")
 flags.DEFINE_float("top_p", 0.9, "Nucleus sampling mass, in (0, 1].")
 flags.DEFINE_integer("top_k", 0, "Keep only the k most likely tokens; 0 disables.")
 flags.DEFINE_integer("seed", None, "Sampling seed, for reproducible output.")
-flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weight and KV cache dtype.")
-flags.DEFINE_string("load_format", "auto", "'auto' (real weights) or 'dummy' (random weights).")
 flags.DEFINE_integer("max_model_len", 2048, "Longest prompt plus output, in tokens.")
 F = flags.FLAGS
 
@@ -38,7 +37,8 @@ def main(argv):
     logging.basicConfig(level=logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)  # keep compile logs out of the streamed text
     t0 = time.perf_counter()
-    llm = LLM(F.model, dtype=F.dtype, load_format=F.load_format, max_model_len=F.max_model_len, max_num_seqs=1,
+    llm = LLM(F.model, dtype=F.dtype, load_format=F.load_format,
+              compilation_cache_dir=F.compilation_cache_dir, max_model_len=F.max_model_len, max_num_seqs=1,
               max_num_batched_tokens=256)
     print(f"[loaded {F.model} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     if F.chat is not None:

@@ -16,11 +16,10 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_string("model", "smollm2-135m", "Preset name, local Hugging Face directory, or .gguf file.")
+import model_flags  # scripts/ is on sys.path when run as a script
+
+flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_string("served_model_name", None, "Model id clients send and /v1/models lists (default: --model).")
-flags.DEFINE_enum("load_format", "auto", ["auto", "dummy"], "'auto' reads weights; 'dummy' uses random ones.")
-flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and KV cache dtype (auto: float32 on "
-                  "CPU, bfloat16 on accelerators).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_integer("max_num_seqs", 16, "Most sequences computed together in one step.")
@@ -32,7 +31,6 @@ flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator mem
 flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
 flags.DEFINE_integer("max_waiting", 128, "Most requests queued behind the running ones; more are answered 503.")
 flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <key>' (else 401).")
-flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA cache: restarts skip recompiling.")
 flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: 16, x4, ... up to "
                   "--max_num_batched_tokens).")
 flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: 4, x4, ... up to --max_num_seqs).")
