@@ -191,8 +191,7 @@ def decode_step(llm, prompts):
     tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, [1] * len(seqs)))
 
     def step():
-        result, runner.cache, _ = runner._step(runner.weights, runner.cache, runner.last_tokens, tokens, positions,
-                                               md, sb, **flags)
+        result, runner.cache, _ = runner.execute(tokens, positions, md, sb, flags)
         return result.tokens
 
     def free():

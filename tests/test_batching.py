@@ -226,3 +226,22 @@ def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
     assert not traced  # compiled in warm-up: no step retraced the op
     for i, (p, n) in enumerate(zip(ps, (4, 8, 12, 16, 20))):
         assert done[f"r{i}"].token_ids == alone(tuple(p), n)
+
+
+def test_step_inputs_travel_as_one_buffer():
+    """The packed transfer gives back every host array of a step bit for bit, dtypes and static
+    fields included (floats and unsigned seeds ride in int32 words)."""
+    import jax
+    from jaxinfer.batching.model_runner import pack_inputs, unpack_inputs
+    from jaxinfer.paged.kv_cache import BatchMetadata
+
+    rng = np.random.default_rng(0)
+    md = BatchMetadata(*(rng.integers(-5, 99, n).astype(np.int32) for n in (8, 6, 3, 4, 3)), decode_only=True)
+    tree = (md, np.array([0.5, -1.25, np.inf], np.float32), np.array([2**32 - 1, 7, 0], np.uint32))
+    buf, packing = pack_inputs(tree)
+    assert buf.dtype == np.int32 and buf.shape == (8 + 6 + 3 + 4 + 3 + 3 + 3,)
+    back = jax.jit(unpack_inputs, static_argnums=1)(buf, packing)
+    assert back[0].decode_only is True
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, np.asarray(b))

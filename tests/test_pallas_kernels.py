@@ -266,6 +266,7 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
     iteration, which stalls the stream and the host's dispatch of the next step (``jnp.searchsorted``
     did this). A mixed step (prefill chunk + decodes) and a decode-only one (the fused decode kernel)."""
     from jaxinfer import LLM, SamplingParams
+    from jaxinfer.batching.model_runner import pack_inputs
     from jaxinfer.batching.scheduler import ScheduledBatch
     from jaxinfer.batching.sequence import Sequence
 
@@ -284,7 +285,8 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
         counts.append(n - computed)
     tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, counts))
     assert flags["greedy_only"] == greedy_only and md.decode_only == (batch == "decode_only")
-    lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, tokens, positions, md, sb,
+    inputs, packing = pack_inputs((tokens, positions, md, sb))
+    lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, inputs, packing=packing,
                                  **flags).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text  # the Pallas GPU kernels are in the step

@@ -75,6 +75,17 @@ def test_logprobs_are_those_of_the_raw_distribution(logits):
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-lp, -1)[:, :5], rtol=1e-6)
 
 
+def test_logprobs_only_when_asked(logits):
+    """``None`` skips the log-softmax; ``0`` still gives the sampled token's own logprob."""
+    none = sample(logits, batch(4, temperature=0.0))
+    assert none.logprobs is None and none.top_tokens is None
+    own = sample(logits, batch(4, temperature=0.0), num_logprobs=0)
+    lp = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_array_equal(own.tokens, none.tokens)
+    np.testing.assert_allclose(own.logprobs, lp.max(-1), rtol=1e-6)
+    assert own.top_tokens is None
+
+
 def test_penalties_push_away_from_generated_tokens():
     row = jnp.asarray([[2.0, 1.9, 0.0, -1.0]])
     plain = sample(row, batch(1, temperature=0.0)).tokens

@@ -65,6 +65,35 @@ class Buckets:
         return [(t, s, p) for t, s in sorted(pairs) for p in self.pages]
 
 
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Static layout of a step's host inputs in their one int32 transfer buffer."""
+    treedef: object
+    parts: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype) of each leaf, in order
+
+
+def pack_inputs(tree) -> tuple[np.ndarray, Packing]:
+    """A step's host arrays (all 4-byte dtypes) as one int32 buffer.
+
+    Each array sent to the device is a copy the step waits for: on an H200 the copies of a batch-1
+    step started only once the previous step had finished, ~3 us apart, so six of them put a 25 us
+    gap between steps. One buffer is one copy."""
+    leaves, treedef = jax.tree.flatten(tree)
+    assert all(x.dtype.itemsize == 4 for x in leaves), [x.dtype for x in leaves]
+    buf = np.concatenate([np.ascontiguousarray(x).view(np.int32).ravel() for x in leaves])
+    return buf, Packing(treedef, tuple((x.shape, x.dtype.str) for x in leaves))
+
+
+def unpack_inputs(buf: jax.Array, packing: Packing):
+    leaves, offset = [], 0
+    for shape, dtype in packing.parts:
+        n = int(np.prod(shape))
+        x = buf[offset:offset + n].reshape(shape)
+        leaves.append(x if np.dtype(dtype) == np.int32 else jax.lax.bitcast_convert_type(x, np.dtype(dtype)))
+        offset += n
+    return jax.tree.unflatten(packing.treedef, leaves)
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
                  ops: Ops, max_logprobs: int = 20):
@@ -85,15 +114,15 @@ class ModelRunner:
         # inputs; with the KV pool sized to fill memory it saw no room and recomputed the QKV
         # matmul three times per layer (8B batch-1 step on an H200: 5.73 -> 4.71 ms without it).
         # The pool already leaves `1 - kv_cache_memory_fraction` of memory for temporaries.
-        self._step = jax.jit(self._step_fn, static_argnames=("greedy_only", "num_logprobs", "penalties"),
+        self._step = jax.jit(self._step_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
                              donate_argnums=(1,), compiler_options={"xla_disable_hlo_passes": "rematerialization"})
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,))
         self._gather = jax.jit(self._gather_fn)
 
-    def _step_fn(self, weights, cache, prev_tokens, tokens, positions, md, sb, *, greedy_only, num_logprobs,
-                 penalties):
+    def _step_fn(self, weights, cache, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled shape
-        log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%d penalties=%s",
+        tokens, positions, md, sb = unpack_inputs(inputs, packing)
+        log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s penalties=%s",
                  tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
                  num_logprobs, penalties)
         tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
@@ -168,15 +197,18 @@ class ModelRunner:
             penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
             penalty_counts=np.asarray(pen_counts + pad, np.float32))
         flags = dict(greedy_only=all(p.temperature == 0 for p in params),
-                     num_logprobs=self.max_logprobs if any(p.logprobs is not None for p in params) else 0,
+                     num_logprobs=self.max_logprobs if any(p.logprobs is not None for p in params) else None,
                      penalties=bool(pen_rows))
         return tokens, positions, md, sb, flags
 
+    def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict):
+        """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored."""
+        inputs, packing = pack_inputs((tokens, positions, md, sb))
+        return self._step(self.weights, self.cache, self.last_tokens, inputs, packing=packing, **flags)
+
     def run(self, batch: ScheduledBatch) -> SampleResult:
         """Dispatch one step; the result stays on device until the caller reads it."""
-        tokens, positions, md, sb, flags = self.prepare(batch)
-        result, self.cache, self.last_tokens = self._step(self.weights, self.cache, self.last_tokens, tokens,
-                                                          positions, md, sb, **flags)
+        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch))
         self.num_steps += 1
         return result
 
@@ -197,8 +229,8 @@ class ModelRunner:
             z = np.zeros(s, np.float32)
             sb = SamplingBatch(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
                                z, z, np.zeros(16, np.int32), np.zeros(16, np.int32), np.zeros(16, np.float32))
-            _, self.cache, _ = self._step(self.weights, self.cache, self.last_tokens, tokens, tokens, md, sb,
-                                          greedy_only=greedy, num_logprobs=0, penalties=False)
+            _, self.cache, _ = self.execute(tokens, tokens, md, sb,
+                                            dict(greedy_only=greedy, num_logprobs=None, penalties=False))
         jax.block_until_ready(self.cache)
 
     # Swap copies are padded to a power-of-two page count so they compile O(log pages) times, not
