@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +31,14 @@ class SamplingBatch:
     penalty_rows: jax.Array  # i32 [K]
     penalty_tokens: jax.Array  # i32 [K]
     penalty_counts: jax.Array  # f32 [K]
+
+    @staticmethod
+    def greedy(rows: int, penalty_slots: int) -> SamplingBatch:
+        """Host arrays for ``rows`` greedy rows with every filter and penalty off (warm-up, benchmarks)."""
+        z = np.zeros(rows, np.float32)
+        return SamplingBatch(z, np.zeros(rows, np.int32), z + 1, z, np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
+                             z, z, np.zeros(penalty_slots, np.int32), np.zeros(penalty_slots, np.int32),
+                             np.zeros(penalty_slots, np.float32))
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ Workloads (``--workload``):
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import logging
@@ -164,13 +165,11 @@ def latency(results, bw):
     run_requests(mc_llm, prompt, [8])
     wall, ttft, tpot, n = run_requests(mc_llm, prompt, [256])
     step = float(tpot[0])
-    prof = profile_decode(mc_llm, prompt)
-    device_step = prof["device_ms_per_step"] * 1e-3
+    prof = profile_engine(mc_llm, prompt[0], 256)
     kv_tok = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * mc_llm.engine.runner.cache.k.dtype.itemsize
     read = weight_bytes(mc_llm) + kv_tok * (128 + 128)  # weights + average context read per step
     results["latency"] = dict(ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3, **prof,
-                              device_bw_fraction=read / device_step / bw, bytes_per_step=read,
-                              bw_fraction=read / step / bw, warmup_s=warm)
+                              bytes_per_step=read, bw_fraction=read / step / bw, warmup_s=warm)
     del mc_llm
     gc.collect()
 
@@ -198,6 +197,39 @@ def decode_step(llm, prompts):
         for seq in seqs:
             blocks.free_pages(seq.page_table)
     return step, free
+
+
+def profile_engine(llm, prompt, new_tokens: int) -> dict:
+    """The engine's own decode loop for one request under the profiler, per step: how long the
+    device was busy and how long it sat idle waiting for the host (dispatch, input copies), its
+    kernel time by kind (kernels may overlap, so these sum to more than busy), and the sampling
+    kernels timed alone. The profiler slows the host a little, so steps run slightly longer."""
+    import jax
+    import jax.numpy as jnp
+    from device_profile import busy_idle, device_events, kernel_times, split
+    from jaxinfer import SamplingParams
+    from jaxinfer.sampling import SamplingBatch, sample
+    eng = llm.engine
+    eng.add_request("profile", list(prompt), SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    eng.step(), eng.step()  # the prefill step and the first decode step stay out of the trace
+    steps = eng.counters["steps"]
+
+    def rest():
+        while eng.has_unfinished():
+            eng.step()
+    events = device_events(rest)
+    steps = max(1, eng.counters["steps"] - steps)
+    busy, idle = busy_idle(events)
+    times = collections.defaultdict(float)
+    for e in events:
+        times[e["name"]] += e["dur"] * 1e-6
+    greedy = jax.jit(lambda logits, sb: sample(logits, sb, greedy_only=True).tokens)
+    logits = jnp.zeros((1, eng.model_config.vocab_size), jnp.float32)
+    sampling = sum(kernel_times(greedy, logits, SamplingBatch.greedy(1, 1)).values())
+    out = dict(profiled_ms_per_step=(busy + idle) / steps * 1e3, device_busy_ms=busy / steps * 1e3,
+               device_idle_ms=idle / steps * 1e3, sampling_alone_ms=sampling * 1e3)
+    out.update({k.replace("_s", "_ms"): v / steps * 1e3 for k, v in split(times).items()})
+    return out
 
 
 def profile_decode(llm, prompts) -> dict:

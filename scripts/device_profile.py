@@ -1,7 +1,8 @@
 """Device time per kernel of a jitted call, from a ``jax.profiler`` trace (no extra packages).
 
-Benchmarks use it to split a step's device time into matmuls, attention and the rest, and to time
-an attention kernel without the XLA glue around it. On CPU there are no device events: empty result.
+Benchmarks use it to split a step's device time into matmuls, attention and the rest, to time an
+attention kernel without the XLA glue around it, and to see how long the device of a running engine
+sits idle waiting for the host. On CPU there are no device events: empty results.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ MATMUL_MARKERS = ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot")
 ATTENTION_MARKERS = ("paged_",)  # our Pallas kernels are named paged_decode_gpu / paged_prefill_gpu
 
 
-def kernel_times(fn, *args, calls: int = 5) -> dict[str, float]:
-    """Seconds of device time per call of ``fn(*args)``, by kernel name (after two warm-up calls)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+def device_events(fn, *args, calls: int = 1) -> list[dict]:
+    """The device's complete events (kernels, copies) while ``fn(*args)`` runs ``calls`` times."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(calls):
@@ -31,11 +30,35 @@ def kernel_times(fn, *args, calls: int = 5) -> dict[str, float]:
         events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and e["args"]["name"].startswith("/device:") and "CPU" not in e["args"]["name"]}
+    return [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
+
+
+def kernel_times(fn, *args, calls: int = 5) -> dict[str, float]:
+    """Seconds of device time per call of ``fn(*args)``, by kernel name (after two warm-up calls)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
     total = collections.defaultdict(float)
-    for e in events:
-        if e.get("ph") == "X" and e["pid"] in devices:
-            total[e["name"]] += e["dur"] * 1e-6 / calls
+    for e in device_events(fn, *args, calls=calls):
+        total[e["name"]] += e["dur"] * 1e-6 / calls
     return dict(total)
+
+
+def busy_idle(events: list[dict]) -> tuple[float, float]:
+    """Seconds between the first event's start and the last one's end in which the device ran
+    something (overlapping events counted once), and in which it ran nothing."""
+    busy, start, end, first = 0.0, None, None, None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        s, t = e["ts"], e["ts"] + e["dur"]
+        first = s if first is None else first
+        if end is None or s > end:
+            busy += 0.0 if end is None else end - start
+            start, end = s, t
+        else:
+            end = max(end, t)
+    if end is None:
+        return 0.0, 0.0
+    busy += end - start
+    return busy * 1e-6, (end - first) * 1e-6 - busy * 1e-6
 
 
 def split(times: dict[str, float]) -> dict[str, float]:

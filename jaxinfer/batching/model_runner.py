@@ -23,6 +23,7 @@ from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 from jaxinfer.sampling import SampleResult, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
+_PENALTY_SLOTS = 16  # the smallest bucket of a step's (row, token, count) penalty triples
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -183,7 +184,7 @@ class ModelRunner:
                 pen_rows += [i] * len(ids)
                 pen_tokens += ids.tolist()
                 pen_counts += c.tolist()
-        k = Buckets.pick(powers_of_two(16, max(16, len(pen_rows))), max(1, len(pen_rows)))
+        k = Buckets.pick(powers_of_two(_PENALTY_SLOTS, max(_PENALTY_SLOTS, len(pen_rows))), max(1, len(pen_rows)))
         pad = [0] * (k - len(pen_rows))
         sb = SamplingBatch(
             temperature=column([p.temperature for p in params], np.float32),
@@ -226,10 +227,7 @@ class ModelRunner:
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-            z = np.zeros(s, np.float32)
-            sb = SamplingBatch(z, np.zeros(s, np.int32), z + 1, z, np.zeros(s, np.uint32), np.zeros(s, np.int32),
-                               z, z, np.zeros(16, np.int32), np.zeros(16, np.int32), np.zeros(16, np.float32))
-            _, self.cache, _ = self.execute(tokens, tokens, md, sb,
+            _, self.cache, _ = self.execute(tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
                                             dict(greedy_only=greedy, num_logprobs=None, penalties=False))
         jax.block_until_ready(self.cache)
 
