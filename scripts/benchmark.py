@@ -233,8 +233,9 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
 
 
 def profile_decode(llm, prompts) -> dict:
-    """Device-only decode step (steps back to back, no host work between them: the gap to the
-    engine's ms/token is host overhead) and its device time split by kernel kind."""
+    """One decode step of ``prompts`` dispatched back to back without the engine, and its device time
+    split by kernel kind. Only for steps that take much longer than their dispatch (~3 ms of host
+    time here): at batch 1 this loop is host-bound, hence ``profile_engine`` for the latency."""
     from ceilings import timeit
     from device_profile import kernel_times, split
     step, free = decode_step(llm, prompts)
