@@ -211,7 +211,8 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
     from jaxinfer.sampling import SamplingBatch, sample
     eng = llm.engine
     eng.add_request("profile", list(prompt), SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-    eng.step(), eng.step()  # the prefill step and the first decode step stay out of the trace
+    for _ in range(2):  # the prefill step and the first decode step stay out of the trace
+        eng.step()
     steps = eng.counters["steps"]
 
     def rest():

@@ -86,6 +86,7 @@ def pack_inputs(tree) -> tuple[np.ndarray, Packing]:
 
 
 def unpack_inputs(buf: jax.Array, packing: Packing):
+    """``pack_inputs`` undone inside the step: slices of the buffer, floats bit-cast back."""
     leaves, offset = [], 0
     for shape, dtype in packing.parts:
         n = int(np.prod(shape))
