@@ -15,7 +15,6 @@ Workloads (``--workload``):
 
 from __future__ import annotations
 
-import collections
 import gc
 import json
 import logging
@@ -206,7 +205,7 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
     kernels timed alone. The profiler slows the host a little, so steps run slightly longer."""
     import jax
     import jax.numpy as jnp
-    from device_profile import busy_idle, device_events, kernel_times, split
+    from device_profile import busy_idle, device_events, kernel_times, per_kernel, split
     from jaxinfer import SamplingParams
     from jaxinfer.sampling import SamplingBatch, sample
     eng = llm.engine
@@ -221,15 +220,12 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
     events = device_events(rest)
     steps = max(1, eng.counters["steps"] - steps)
     busy, idle = busy_idle(events)
-    times = collections.defaultdict(float)
-    for e in events:
-        times[e["name"]] += e["dur"] * 1e-6
     greedy = jax.jit(lambda logits, sb: sample(logits, sb, greedy_only=True).tokens)
     logits = jnp.zeros((1, eng.model_config.vocab_size), jnp.float32)
     sampling = sum(kernel_times(greedy, logits, SamplingBatch.greedy(1, 1)).values())
     out = dict(profiled_ms_per_step=(busy + idle) / steps * 1e3, device_busy_ms=busy / steps * 1e3,
                device_idle_ms=idle / steps * 1e3, sampling_alone_ms=sampling * 1e3)
-    out.update({k.replace("_s", "_ms"): v / steps * 1e3 for k, v in split(times).items()})
+    out.update({k.replace("_s", "_ms"): v * 1e3 for k, v in split(per_kernel(events, steps)).items()})
     return out
 
 

@@ -33,32 +33,35 @@ def device_events(fn, *args, calls: int = 1) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
 
 
+def per_kernel(events: list[dict], calls: int = 1) -> dict[str, float]:
+    """Seconds of device time per call, by kernel name."""
+    total = collections.defaultdict(float)
+    for e in events:
+        total[e["name"]] += e["dur"] * 1e-6 / calls
+    return dict(total)
+
+
 def kernel_times(fn, *args, calls: int = 5) -> dict[str, float]:
     """Seconds of device time per call of ``fn(*args)``, by kernel name (after two warm-up calls)."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
-    total = collections.defaultdict(float)
-    for e in device_events(fn, *args, calls=calls):
-        total[e["name"]] += e["dur"] * 1e-6 / calls
-    return dict(total)
+    return per_kernel(device_events(fn, *args, calls=calls), calls)
 
 
 def busy_idle(events: list[dict]) -> tuple[float, float]:
     """Seconds between the first event's start and the last one's end in which the device ran
     something (overlapping events counted once), and in which it ran nothing."""
-    busy, start, end, first = 0.0, None, None, None
-    for e in sorted(events, key=lambda e: e["ts"]):
-        s, t = e["ts"], e["ts"] + e["dur"]
-        first = s if first is None else first
-        if end is None or s > end:
-            busy += 0.0 if end is None else end - start
-            start, end = s, t
-        else:
-            end = max(end, t)
-    if end is None:
+    if not events:
         return 0.0, 0.0
+    events = sorted(events, key=lambda e: e["ts"])
+    busy, start, end = 0.0, events[0]["ts"], events[0]["ts"]
+    for e in events:
+        if e["ts"] > end:  # a gap: close the busy interval
+            busy += end - start
+            start = e["ts"]
+        end = max(end, e["ts"] + e["dur"])
     busy += end - start
-    return busy * 1e-6, (end - first) * 1e-6 - busy * 1e-6
+    return busy * 1e-6, (end - events[0]["ts"] - busy) * 1e-6
 
 
 def split(times: dict[str, float]) -> dict[str, float]:
