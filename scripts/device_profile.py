@@ -11,11 +11,12 @@ import collections
 import glob
 import gzip
 import json
+import re
 import tempfile
 
 import jax
 
-MATMUL_MARKERS = ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot")
+MATMUL_MARKERS = ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot", "(gemv)")
 ATTENTION_MARKERS = ("paged_",)  # our Pallas kernels are named paged_decode_gpu / paged_prefill_gpu
 
 
@@ -33,11 +34,20 @@ def device_events(fn, *args, calls: int = 1) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
 
 
+def kernel_name(event: dict) -> str:
+    """The kernel's name; tagged "(gemv)" for an XLA row reduction with one block per output row of
+    at least 1,024 rows: a one-token ``linear`` (models/llama.py), not a norm's reduction."""
+    grid = re.search(r"grid:(\d+)", event.get("args", {}).get("kernel_details", ""))
+    if "reduce" in event["name"] and grid and int(grid.group(1)) >= 1024:
+        return event["name"] + " (gemv)"
+    return event["name"]
+
+
 def per_kernel(events: list[dict], calls: int = 1) -> dict[str, float]:
     """Seconds of device time per call, by kernel name."""
     total = collections.defaultdict(float)
     for e in events:
-        total[e["name"]] += e["dur"] * 1e-6 / calls
+        total[kernel_name(e)] += e["dur"] * 1e-6 / calls
     return dict(total)
 
 

