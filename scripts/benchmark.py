@@ -225,7 +225,7 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
     sampling = sum(kernel_times(greedy, logits, SamplingBatch.greedy(1, 1)).values())
     out = dict(profiled_ms_per_step=(busy + idle) / steps * 1e3, device_busy_ms=busy / steps * 1e3,
                device_idle_ms=idle / steps * 1e3, sampling_alone_ms=sampling * 1e3)
-    out.update({k.replace("_s", "_ms"): v * 1e3 for k, v in split(per_kernel(events, steps)).items()})
+    out.update({k.replace("_s", "_ms"): v * 1e3 for k, v in split(per_kernel(events, steps, one_token=True)).items()})
     return out
 
 

@@ -34,20 +34,21 @@ def device_events(fn, *args, calls: int = 1) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
 
 
-def kernel_name(event: dict) -> str:
-    """The kernel's name; tagged "(gemv)" for an XLA row reduction with one block per output row of
-    at least 1,024 rows: a one-token ``linear`` (models/llama.py), not a norm's reduction."""
+def kernel_name(event: dict, one_token: bool = False) -> str:
+    """The kernel's name. In a one-token step, tagged "(gemv)" for an XLA reduction with one block
+    per output row of at least 1,024 rows: a ``linear`` (models/llama.py), not a norm's reduction.
+    (Larger steps have reductions of such grids that are not matmuls.)"""
     grid = re.search(r"grid:(\d+)", event.get("args", {}).get("kernel_details", ""))
-    if "reduce" in event["name"] and grid and int(grid.group(1)) >= 1024:
+    if one_token and "reduce" in event["name"] and grid and int(grid.group(1)) >= 1024:
         return event["name"] + " (gemv)"
     return event["name"]
 
 
-def per_kernel(events: list[dict], calls: int = 1) -> dict[str, float]:
+def per_kernel(events: list[dict], calls: int = 1, one_token: bool = False) -> dict[str, float]:
     """Seconds of device time per call, by kernel name."""
     total = collections.defaultdict(float)
     for e in events:
-        total[kernel_name(e)] += e["dur"] * 1e-6 / calls
+        total[kernel_name(e, one_token)] += e["dur"] * 1e-6 / calls
     return dict(total)
 
 
