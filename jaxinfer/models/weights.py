@@ -2,7 +2,8 @@
 
 Every source is read tensor by tensor and turned into the layout ``llama.forward`` expects
 (linear weights ``[out, in]`` as in the checkpoints, fused ``wqkv`` / ``w_gate_up``, Q/K in HF
-rotate-half head order), cast to the target dtype one layer at a time so a load never holds more than one extra copy.
+rotate-half head order), cast to the target dtype one layer at a time so a load never holds more
+than one extra copy.
 """
 
 from __future__ import annotations
