@@ -9,11 +9,13 @@ from jaxinfer.models import llama
 
 
 def _check(x, w, out_dtype=None):
-    got = np.asarray(llama.linear(jnp.asarray(x), jnp.asarray(w), out_dtype).astype(jnp.float32), np.float64)
+    y = llama.linear(x, w, out_dtype)
+    out = jnp.dtype(out_dtype or x.dtype)
+    assert y.dtype == out
+    got = np.asarray(y.astype(jnp.float32), np.float64)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     # Inputs are exact in their dtype, products and sums are float32 either way: the only rounding
     # beyond float32 summation (relative ~K * 2^-24 of the sum of |terms|) is the output cast.
-    out = jnp.dtype(out_dtype or x.dtype)
     ulp = 2.0 ** -8 if out == jnp.bfloat16 else 2.0 ** -20
     scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T
     np.testing.assert_array_less(np.abs(got - want), ulp * np.abs(want) + 1e-5 * scale + 1e-30)
@@ -30,9 +32,7 @@ def test_linear_matches_float64(monkeypatch, backend, tokens, dtype, out_dtype):
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.standard_normal((tokens, 320)), dtype)
     w = jnp.asarray(rng.standard_normal((384, 320)) / np.sqrt(320), dtype)
-    _check(np.asarray(x), np.asarray(w), out_dtype)
-    if out_dtype is not None:
-        assert llama.linear(x, w, out_dtype).dtype == jnp.dtype(out_dtype)
+    _check(x, w, out_dtype)
 
 
 def test_one_token_path_agrees_with_the_batched_one():

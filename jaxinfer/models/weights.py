@@ -153,8 +153,7 @@ class _Assembler:
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"tensor for layer {layer} but the config has {self.config.num_layers} layers")
-        array = np.asarray(array)
-        self.pending[layer][part] = array
+        self.pending[layer][part] = np.asarray(array)
         p = self.pending[layer]
         if all(k in p for k in self._LAYER_PARTS):
             def put(x):
