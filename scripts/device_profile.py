@@ -36,7 +36,7 @@ def device_events(fn, *args, calls: int = 1) -> list[dict]:
 
 def kernel_name(event: dict, one_token: bool = False) -> str:
     """The kernel's name. In a one-token step, tagged "(gemv)" for an XLA reduction with one block
-    per output row of at least 1,024 rows: a ``linear`` (models/llama.py), not a norm's reduction.
+    per output row of at least 1,024 rows: a ``linear`` (models/layers.py), not a norm's reduction.
     (Larger steps have reductions of such grids that are not matmuls.)"""
     grid = re.search(r"grid:(\d+)", event.get("args", {}).get("kernel_details", ""))
     if one_token and "reduce" in event["name"] and grid and int(grid.group(1)) >= 1024:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.llama import forward
+from jaxinfer.models.decoder import forward
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
 PAGE_SIZE = 16

@@ -201,16 +201,18 @@ def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
     ordinary ones, nothing compiles after warm-up, and the tokens are the requests' run alone. The op
     here is the jnp composition, recording the sequence bucket of each step it is traced for."""
     import jaxinfer.batching.engine as engine
-    from jaxinfer.models.llama import rope_write_kv
+    from jaxinfer.models.layers import rope_write_kv
     from jaxinfer.paged.attention import ragged_paged_attention
 
     traced = []
 
-    def decode_attention(qkv, x, positions, inv_freq, cache, layer, md, *, num_heads, eps, scale):
+    def decode_attention(qkv, x, positions, inv_freq, cache, layer, md, *, num_heads, eps, scale, soft_cap,
+                         sliding_window):
         traced.append(md.page_table.shape[0])
         q, cache = rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping, num_heads=num_heads,
                                  num_kv_heads=cache.k.shape[3], eps=eps)
-        return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale), cache
+        return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale, soft_cap=soft_cap,
+                                      sliding_window=sliding_window), cache
 
     monkeypatch.setattr(engine, "get_kernels", lambda _: {"attention": ragged_paged_attention,
                                                           "decode_attention": decode_attention,

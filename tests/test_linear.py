@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import llama
+from jaxinfer.models import layers as llama
 
 
 def _check(x, w, out_dtype=None):

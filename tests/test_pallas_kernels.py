@@ -22,7 +22,7 @@ import pytest
 from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.models.config import PRESETS
-from jaxinfer.models.llama import Ops, rope_frequencies, rope_write_kv
+from jaxinfer.models.layers import Ops, rope_frequencies, rope_write_kv
 from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.pallas_kernels import BACKENDS, get_kernels
 from jaxinfer.pallas_kernels import gpu, rope_kv, tpu

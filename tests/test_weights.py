@@ -146,7 +146,7 @@ def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):
 def test_dummy_weights_from_preset_and_from_files(tmp_path):
     config, weights = load_model("tiny-llama3", load_format="dummy", dtype="bfloat16")
     assert config == PRESETS["tiny-llama3"] and weights.embed.dtype == jnp.bfloat16
-    assert weights.layers.wqkv.shape == (config.num_layers, config.q_size + 2 * config.kv_size, config.hidden_size)
+    assert weights.layers["wqkv"].shape == (config.num_layers, config.q_size + 2 * config.kv_size, config.hidden_size)
     save_random_hf_llama("tiny-llama-tied", tmp_path)
     config, weights = load_model(str(tmp_path), load_format="dummy", layer_loop="unroll")
     assert config.hidden_size == PRESETS["tiny-llama-tied"].hidden_size and len(weights.layers) == config.num_layers

@@ -21,7 +21,7 @@ from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, powers_of_two
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
-from jaxinfer.models.llama import Ops
+from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_model, resolve_model
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache
@@ -79,6 +79,7 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context length "
                              f"({mc.max_position_embeddings})")
+        self.model_config = mc = mc.for_context(self.max_model_len)
         ps = config.page_size
         pages_per_seq = -(-self.max_model_len // ps)
         num_pages = config.num_pages or self._default_num_pages(dtype, pages_per_seq)

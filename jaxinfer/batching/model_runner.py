@@ -18,7 +18,9 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batching.scheduler import ScheduledBatch
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.llama import Ops, Weights, forward
+from jaxinfer.models.decoder import forward
+from jaxinfer.models.layers import Ops
+from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 from jaxinfer.sampling import SampleResult, SamplingBatch, sample
 

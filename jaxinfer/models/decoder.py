@@ -1,0 +1,92 @@
+"""The decoder forward every family runs: a pure function over a ``Weights`` pytree and a paged KV cache.
+
+A family is a choice of building blocks (``jaxinfer.models.layers``), recorded as static fields of
+``ModelConfig``: Q/K/V biases (Qwen2), per-head Q/K norms (Qwen3, Gemma 3), post-norms, GeGLU,
+scaled embeddings, soft caps and interleaved sliding windows (Gemma 2/3), fused checkpoint tensors
+(Phi-3, split at load) and sparse experts (Mixtral, Qwen2-MoE, Qwen3-MoE). Since a layer's blocks
+are static, each compiled step contains only the family's own work: Llama's step is unchanged.
+
+Per-layer differences (Gemma's sliding windows and Gemma 3's local RoPE base) are static Python
+values in the unrolled loop; in the scanned loop they are scanned over with the weights, so no
+layer loses its own window.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.layers import Ops, gated_mlp, layer_rope_frequencies, linear, moe, rms_norm, rms_scale
+from jaxinfer.models.spec import Weights
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+
+# The window a global layer passes when the scanned loop's windows are traced: longer than any context.
+GLOBAL_WINDOW = 1 << 30
+_OPTIONAL_ATTENTION_WEIGHTS = ("qkv_bias", "q_norm", "k_norm")
+
+
+def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, positions, md: BatchMetadata,
+           inv_freq, window):
+    """One decoder layer on the residual stream ``x``; returns it and the cache."""
+    t = x.shape[0]
+    h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
+    extras = {name: lw[name] for name in _OPTIONAL_ATTENTION_WEIGHTS if name in lw}
+    attn_kw = dict(scale=config.attention_scale, soft_cap=config.attn_soft_cap, sliding_window=window)
+
+    qkv = linear(x, lw["wqkv"])
+    if md.decode_only and ops.decode_attention is not None:
+        attn, cache = ops.decode_attention(qkv, x, positions, inv_freq, cache, layer, md, num_heads=h, eps=eps,
+                                           **attn_kw, **extras)
+    else:
+        q, cache = ops.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping, num_heads=h,
+                                     num_kv_heads=kvh, eps=eps, **extras)
+        attn = ops.attention(q, cache.k, cache.v, layer, md, **attn_kw)
+    y = linear(attn.reshape(t, h * hd), lw["wo"])
+    if config.post_norms:
+        y = rms_norm(y, lw["post_attn_norm"], eps)
+    x = x + y
+    r = rms_scale(x, eps)  # the MLP norm's; XLA fuses its rsqrt into the gated activation
+    if config.num_experts:
+        y = moe(x, r, lw, config)
+    else:
+        y = gated_mlp(x, lw["w_gate_up"], lw["w_down"], r, config.hidden_act)
+    if config.post_norms:
+        y = rms_norm(y, lw["post_mlp_norm"], eps)
+    return x + y, cache
+
+
+def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
+            config: ModelConfig, ops: Ops = Ops()) -> tuple[jax.Array, KVCache]:
+    """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
+    and the updated cache (donate it at the jit boundary so it is updated in place)."""
+    x = weights.embed[tokens]
+    if config.embed_scale:
+        x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
+    freqs = layer_rope_frequencies(config)
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    if isinstance(weights.layers, list):
+        for i, lw in enumerate(weights.layers):
+            x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md, freqs[i], windows[i])
+    else:
+        same_freqs = bool(np.all(freqs == freqs[:1]))
+        same_windows = len(set(windows)) == 1
+        per_layer = (None if same_freqs else jnp.asarray(freqs),
+                     None if same_windows else jnp.asarray([w or GLOBAL_WINDOW for w in windows], jnp.int32))
+
+        def body(carry, xs):
+            x, cache = carry
+            lw, i, f, w = xs
+            f = freqs[0] if f is None else f
+            w = windows[0] if w is None else w
+            return _layer(config, ops, x, lw, i, cache, positions, md, f, w), None
+
+        (x, kv_cache), _ = jax.lax.scan(
+            body, (x, kv_cache), (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32), *per_layer))
+    x = x[md.logits_indices]
+    x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
+    logits = linear(x, weights.embed if weights.lm_head is None else weights.lm_head, jnp.float32)
+    if config.final_soft_cap is not None:
+        logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
+    return logits, kv_cache

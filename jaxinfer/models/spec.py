@@ -1,0 +1,153 @@
+"""One parameter spec per model: every weight leaf's shape, logical axes and how it is made.
+
+The spec is derived from the static ``ModelConfig`` (whose fields say which blocks a family's layers
+have), and it is the one description that drives dummy initialization, the loaders' shape checks and
+parameter counts. Logical axis names (``vocab``, ``embed``, ``qkv``, ``q_heads``, ``head_dim``,
+``mlp``, ``experts``, ``layers``) are what a sharding rule maps to mesh axes; ``fused`` records the
+parts of a fused tensor along its first named axis (q|k|v, gate|up) so that they can be split per
+head; ``quantizable`` marks the matmul weights a quantization scheme may replace.
+
+Weights are a ``Weights`` pytree: the global leaves, and the layers as a list of dicts of arrays
+(unrolled loop) or one dict of arrays stacked on a leading ``layers`` axis (scanned loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    init: str = "normal"  # "normal" (scaled by fan_in), "ones" (norm gains), "zeros" (biases)
+    fan_in: int = 1
+    fused: tuple[tuple[str, int], ...] | None = None  # (part, rows) along the first axis
+    quantizable: bool = False
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def active_size(self, config: ModelConfig) -> int:
+        """Elements one token reads: for a leaf with an ``experts`` axis, its routed experts only."""
+        if "experts" in self.axes and self.axes[0] == "experts" and len(self.shape) == 3:
+            return self.size * config.num_experts_per_tok // config.num_experts
+        return self.size
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    globals: dict[str, ParamSpec]
+    layer: dict[str, ParamSpec]  # one layer's leaves (without the leading ``layers`` axis)
+    num_layers: int
+
+    def leaves(self) -> list[ParamSpec]:
+        return list(self.globals.values()) + list(self.layer.values()) * self.num_layers
+
+
+def param_spec(config: ModelConfig) -> ModelSpec:
+    d, v, hd = config.hidden_size, config.vocab_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    qkv_parts = (("q", q), ("k", kv), ("v", kv))
+    layer = {"wqkv": ParamSpec((q + 2 * kv, d), ("qkv", "embed"), fan_in=d, fused=qkv_parts, quantizable=True)}
+    if config.qkv_bias:
+        layer["qkv_bias"] = ParamSpec((q + 2 * kv,), ("qkv",), "zeros", fused=qkv_parts)
+    if config.qk_norm:
+        layer["q_norm"] = ParamSpec((hd,), ("head_dim",), "ones")
+        layer["k_norm"] = ParamSpec((hd,), ("head_dim",), "ones")
+    layer["wo"] = ParamSpec((d, q), ("embed", "q_heads"), fan_in=q, quantizable=True)
+    if config.num_experts:
+        e, f = config.num_experts, config.moe_intermediate_size
+        layer["router"] = ParamSpec((e, d), ("experts", "embed"), fan_in=d)
+        layer["experts_gate_up"] = ParamSpec((e, 2 * f, d), ("experts", "mlp", "embed"), fan_in=d,
+                                             fused=(("gate", f), ("up", f)), quantizable=True)
+        layer["experts_down"] = ParamSpec((e, d, f), ("experts", "embed", "mlp"), fan_in=f, quantizable=True)
+        if config.shared_expert_intermediate_size:
+            fs = config.shared_expert_intermediate_size
+            layer["shared_gate_up"] = ParamSpec((2 * fs, d), ("mlp", "embed"), fan_in=d,
+                                                fused=(("gate", fs), ("up", fs)), quantizable=True)
+            layer["shared_down"] = ParamSpec((d, fs), ("embed", "mlp"), fan_in=fs, quantizable=True)
+            layer["shared_gate"] = ParamSpec((1, d), (None, "embed"), fan_in=d)
+    else:
+        f = config.intermediate_size
+        layer["w_gate_up"] = ParamSpec((2 * f, d), ("mlp", "embed"), fan_in=d, fused=(("gate", f), ("up", f)),
+                                       quantizable=True)
+        layer["w_down"] = ParamSpec((d, f), ("embed", "mlp"), fan_in=f, quantizable=True)
+    if config.post_norms:
+        layer["post_attn_norm"] = ParamSpec((d,), ("embed",), "ones")
+        layer["post_mlp_norm"] = ParamSpec((d,), ("embed",), "ones")
+    glob = {"embed": ParamSpec((v, d), ("vocab", "embed")), "final_norm": ParamSpec((d,), ("embed",), "ones")}
+    if not config.tie_word_embeddings:
+        glob["lm_head"] = ParamSpec((v, d), ("vocab", "embed"), fan_in=d, quantizable=True)
+    return ModelSpec(glob, layer, config.num_layers)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: jax.Array  # [V, D]
+    # A list of per-layer dicts (unrolled loop) or one dict of arrays stacked on a leading layer
+    # axis (scanned loop); see `arrange_layers`. Keys and shapes: ``param_spec(config).layer``.
+    layers: list[dict[str, jax.Array]] | dict[str, jax.Array]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [V, D]; None when tied to the embedding
+
+
+def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
+    """Stack per-layer weights for ``layer_loop == "scan"``, or split stacked ones for ``"unroll"``."""
+    layers = weights.layers
+    if config.layer_loop == "scan" and isinstance(layers, list):
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    elif config.layer_loop == "unroll" and not isinstance(layers, list):
+        layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.num_layers)]
+    return dataclasses.replace(weights, layers=layers)
+
+
+def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Weights:
+    """Random weights of the spec's shapes (``load_format="dummy"``), scaled so activations stay O(1);
+    norm gains are ones and biases zeros, so nothing is folded."""
+    spec = param_spec(config)
+    keys = iter(jax.random.split(key, len(spec.globals) + len(spec.layer) * config.num_layers))
+
+    def make(s: ParamSpec):
+        k = next(keys)
+        if s.init == "ones":
+            return jnp.ones(s.shape, dtype)
+        if s.init == "zeros":
+            return jnp.zeros(s.shape, dtype)
+        return (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.fan_in)).astype(dtype)
+
+    glob = {name: make(s) for name, s in spec.globals.items()}
+    layers = [{name: make(s) for name, s in spec.layer.items()} for _ in range(config.num_layers)]
+    weights = Weights(embed=glob["embed"], layers=layers, final_norm=glob["final_norm"], lm_head=glob.get("lm_head"))
+    return arrange_layers(weights, config)
+
+
+def abstract_weights(config: ModelConfig, dtype=jnp.float32) -> Weights:
+    """The weights' shapes and dtypes (``jax.ShapeDtypeStruct`` leaves), nothing allocated."""
+    return jax.eval_shape(lambda k: init_dummy_weights(config, k, dtype), jax.random.key(0))
+
+
+def check_shapes(weights: Weights, config: ModelConfig) -> None:
+    """A clear error where loaded tensors disagree with the config (heads, sizes), which would
+    otherwise fail deep inside jit."""
+    expected = abstract_weights(config.replace(layer_loop="unroll" if isinstance(weights.layers, list) else "scan"))
+    if jax.tree.structure(weights) != jax.tree.structure(expected):
+        raise ValueError(f"checkpoint weights do not match the model config: leaves "
+                         f"{sorted(_names(weights) ^ _names(expected))[:6]} differ")
+    pairs = zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(expected))
+    bad = [f"{jax.tree_util.keystr(path)}: {got.shape} != {want.shape}"
+           for (path, got), want in pairs if got.shape != want.shape]
+    if bad:
+        raise ValueError(f"checkpoint tensors do not match the model config: {', '.join(bad[:4])}")
+
+
+def _names(weights: Weights) -> set[str]:
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(weights)}
