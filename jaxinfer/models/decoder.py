@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import Ops, gated_mlp, layer_rope_frequencies, linear, moe, rms_norm, rms_scale
+from jaxinfer.models.layers import Ops, embed, gated_mlp, layer_rope_frequencies, linear, moe, rms_norm, rms_scale
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
@@ -61,7 +61,7 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
             config: ModelConfig, ops: Ops = Ops()) -> tuple[jax.Array, KVCache]:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place)."""
-    x = weights.embed[tokens]
+    x = embed(weights.embed, tokens, weights.final_norm.dtype)
     if config.embed_scale:
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
     freqs = layer_rope_frequencies(config)

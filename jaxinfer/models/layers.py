@@ -26,6 +26,7 @@ import numpy as np
 from jaxinfer.models.config import ModelConfig, RopeScaling
 from jaxinfer.paged.attention import ragged_paged_attention
 from jaxinfer.paged.kv_cache import KVCache, write_kv
+from jaxinfer.quant import QArray, expert_weights, qlinear, take, with_col_scale
 
 
 def _precision(dtype):
@@ -35,9 +36,10 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
 
 
-def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """``x [T, in]`` times ``w [out, in]`` transposed: the one matmul helper (bf16/f32 weights now,
-    quantized weight pytrees later). Accumulates in float32; returns ``out_dtype`` (default: x's).
+def linear(x: jax.Array, w: jax.Array | QArray, out_dtype=None) -> jax.Array:
+    """``x [T, in]`` times ``w [out, in]`` transposed: the one matmul helper, for bf16/f32 weights and
+    quantized ones (``jaxinfer.quant.qlinear``). Accumulates in float32; returns ``out_dtype``
+    (default: x's).
 
     A one-token step on a GPU runs a weight with at least as many rows as columns as a float32 row
     reduction (one block per contiguous row), which XLA streams faster than its GEMV: the 8B
@@ -46,6 +48,8 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     slower that way, so it stays a dot. Otherwise a plain dot: the matmul units accumulate bf16 in
     float32 anyway, and a float32 result plus a cast measured 16% slower for the batch-1 GEMV."""
     out_dtype = out_dtype or x.dtype
+    if isinstance(w, QArray):
+        return qlinear(x, w, out_dtype)
     w = w.astype(x.dtype)
     if x.shape[0] == 1 and w.shape[0] >= w.shape[1] and jax.default_backend() == "gpu":
         return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=-1)[None].astype(out_dtype)
@@ -53,9 +57,23 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
                                preferred_element_type=out_dtype)
 
 
-def fold_norm(norm_weight, w) -> np.ndarray:
-    """``w [..., out, in]`` with column i scaled by ``norm_weight[i]``, in float32 (the caller casts once)."""
+def fold_norm(norm_weight, w):
+    """``w [..., out, in]`` with column i scaled by ``norm_weight[i]``, in float32 (the caller casts once).
+
+    A quantized weight's blocks share one scale across columns, so the gain cannot enter them: it
+    stays explicit as the ``QArray``'s ``col_scale``, applied to the activations inside ``linear``
+    (one multiply of a ``[T, in]`` row block, fused by XLA into the matmul's input)."""
+    if isinstance(w, QArray):
+        return with_col_scale(w, norm_weight)
     return np.asarray(w, np.float32) * np.asarray(norm_weight, np.float32)
+
+
+def embed(table: jax.Array | QArray, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows ``tokens`` of the embedding ``table [V, D]`` in ``dtype`` (a quantized table decodes only
+    those rows)."""
+    if isinstance(table, QArray):
+        return expert_weights(take(table, tokens), dtype)
+    return table[tokens].astype(dtype)
 
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:
@@ -196,21 +214,21 @@ def moe(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig) -> jax.Array:
     flat = experts.reshape(-1)  # [T * k]
     rows = jnp.repeat(xs, k, axis=0)  # [T * k, D]: row i*k + j is token i for its j-th expert
     if t * k <= e:
-        gu = jnp.einsum("rd,rfd->rf", rows, lw["experts_gate_up"][flat].astype(x.dtype),
+        gu = jnp.einsum("rd,rfd->rf", rows, expert_weights(take(lw["experts_gate_up"], flat), x.dtype),
                         preferred_element_type=jnp.float32, precision=_precision(x.dtype))
         gate, up = jnp.split(gu, 2, axis=-1)
         h = (act(gate) * up).astype(x.dtype)
-        out = jnp.einsum("rf,rdf->rd", h, lw["experts_down"][flat].astype(x.dtype),
+        out = jnp.einsum("rf,rdf->rd", h, expert_weights(take(lw["experts_down"], flat), x.dtype),
                          preferred_element_type=jnp.float32, precision=_precision(x.dtype))
     else:
         order = jnp.argsort(flat)
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
         sorted_rows = rows[order]
-        gu = jax.lax.ragged_dot(sorted_rows, jnp.swapaxes(lw["experts_gate_up"], 1, 2).astype(x.dtype), sizes,
+        gu = jax.lax.ragged_dot(sorted_rows, jnp.swapaxes(expert_weights(lw["experts_gate_up"], x.dtype), 1, 2), sizes,
                                 precision=_precision(x.dtype), preferred_element_type=jnp.float32)
         gate, up = jnp.split(gu, 2, axis=-1)
         h = (act(gate) * up).astype(x.dtype)
-        out_sorted = jax.lax.ragged_dot(h, jnp.swapaxes(lw["experts_down"], 1, 2).astype(x.dtype), sizes,
+        out_sorted = jax.lax.ragged_dot(h, jnp.swapaxes(expert_weights(lw["experts_down"], x.dtype), 1, 2), sizes,
                                         precision=_precision(x.dtype), preferred_element_type=jnp.float32)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     out = jnp.sum(out.reshape(t, k, d) * weights[..., None], axis=1)

@@ -1,0 +1,70 @@
+"""The matmuls that read a ``QArray``: inside the compiled step, the decode fused by XLA.
+
+- One token on a GPU: a float32 row reduction ``sum(x * dequantize(W), -1)``, one loop fusion that
+  reads only the codes and their scales (a GEMV is bound by the weight bytes it reads).
+- int8 and fp8 (one scale per output row): the dot runs on the codes (converted to the activations'
+  dtype, or fp8 x fp8 with a dynamic per-token activation scale) and the row scales multiply its
+  output, so no float copy of the weight is scaled.
+- Everything else: the weight decoded to the activations' dtype, then the dot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quant.qarray import QArray, dequantize
+from jaxinfer.quant.schemes import FP8_MAX
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
+
+
+def _scale_columns(x: jax.Array, w: QArray) -> jax.Array:
+    if w.col_scale is None:
+        return x
+    return (x.astype(jnp.float32) * w.col_scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def fp8_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., in]`` as float8 e4m3 codes and one float32 scale per row (dynamic, per token)."""
+    xf = x.astype(jnp.float32)
+    s = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX
+    s = jnp.where(s == 0, 1.0, s)
+    return (xf / s).astype(jnp.float8_e4m3fn), s
+
+
+def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
+    """``x [T, in]`` times the quantized ``w [out, in]`` transposed, accumulated in float32."""
+    x = _scale_columns(x, w)
+    per_row = w.group_size == w.shape[-1] and w.scheme in ("int8", "fp8")
+    dims = (((1,), (1,)), ((), ()))
+    if w.scheme == "fp8":
+        xq, xs = fp8_activations(x)
+        if jax.default_backend() == "cpu":  # emulated: the same fp8 values, multiplied in float32
+            y = jax.lax.dot_general(xq.astype(jnp.float32), w.values.astype(jnp.float32), dims,
+                                    preferred_element_type=jnp.float32)
+        else:
+            y = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=jnp.float32)
+        return (y * xs * w.scales[:, 0].astype(jnp.float32)).astype(out_dtype)
+    if x.shape[0] == 1 and jax.default_backend() == "gpu":
+        return jnp.sum(x.astype(jnp.float32) * dequantize(w, jnp.float32), axis=-1)[None].astype(out_dtype)
+    if per_row:
+        y = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, precision=_precision(x.dtype),
+                                preferred_element_type=jnp.float32)
+        return (y * w.scales[:, 0]).astype(out_dtype)
+    return jax.lax.dot_general(x, dequantize(w, x.dtype), dims, precision=_precision(x.dtype),
+                               preferred_element_type=out_dtype)
+
+
+def expert_weights(w, dtype) -> jax.Array:
+    """A stacked experts leaf ``[(E or rows), out, in]`` as float weights of ``dtype`` with its
+    ``col_scale`` folded in (a gathered slice per token at decode, the whole stack for grouped
+    matmuls): the MoE block's one entry point for quantized experts."""
+    if not isinstance(w, QArray):
+        return w.astype(dtype)
+    d = dequantize(w, jnp.float32)
+    if w.col_scale is not None:
+        d = d * w.col_scale.astype(jnp.float32)[..., None, :]
+    return d.astype(dtype)

@@ -1,0 +1,96 @@
+"""The weight schemes quantized at load from float weights, by name (the ``quantization`` option).
+
+- ``int8``: symmetric per output channel (one float32 scale per row), bf16/f32 activations (w8a16);
+- ``int4-g32`` / ``int4-g64`` / ``int4-g128`` (``int4`` = g128): asymmetric round-to-nearest per
+  group of input columns, a float32 scale and a 4-bit zero point per group (w4a16);
+- ``fp8``: float8 e4m3 with one float32 scale per output channel; activations get a dynamic scale
+  per token and the matmul runs in fp8 (w8a8) on GPUs with fp8 tensor cores, emulated in float32
+  on CPU (for tests).
+
+Quantization runs on the device, one leaf at a time (jit-compiled per shape), so a dummy 8B model
+quantizes in seconds and a load never holds a second full-precision copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quant.qarray import QArray
+
+INT4_GROUPS = (32, 64, 128)
+SCHEMES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS), "fp8")
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def parse_scheme(scheme: str) -> tuple[str, int | None]:
+    """``(format, group size)`` of a scheme name (group None: per output channel)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization must be one of {SCHEMES} (or 'auto'/'none'), got {scheme!r}")
+    if scheme.startswith("int4"):
+        return "int4", int(scheme.split("-g")[1]) if "-g" in scheme else 128
+    return scheme, None
+
+
+def check_device_supports(scheme: str, device=None) -> None:
+    """fp8 needs fp8 tensor cores (NVIDIA compute capability 8.9+: Ada, Hopper and later); CPUs run
+    it emulated in float32, for tests. Anything else is refused rather than silently run another way."""
+    if not scheme.startswith("fp8"):
+        return
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return
+    cc = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and cc is not None and tuple(int(c) for c in str(cc).split(".")[:2]) >= (8, 9):
+        return
+    raise ValueError(f"quantization='fp8' needs fp8 tensor cores (NVIDIA compute capability >= 8.9); "
+                     f"{device.device_kind} ({device.platform}, compute capability {cc}) has none: use one of "
+                     f"{tuple(s for s in SCHEMES if s != 'fp8')}")
+
+
+def quantize(w: jax.Array, scheme: str) -> QArray:
+    """A float weight ``[..., out, in]`` quantized by ``scheme`` (see the module docstring)."""
+    fmt, group = parse_scheme(scheme)
+    n = w.shape[-1]
+    if group is not None and n % group:
+        raise ValueError(f"quantization={scheme!r}: group size {group} does not divide the weight's input "
+                         f"dimension {n} (shape {tuple(w.shape)}); use a group size among "
+                         f"{tuple(g for g in INT4_GROUPS if n % g == 0) or 'none'} or 'int8'")
+    values, scales, zeros = _QUANTIZERS[fmt](jnp.asarray(w), group)
+    return QArray(values, scales, zeros, None, None, None, fmt, group or n)
+
+
+@jax.jit
+def _int8(w, group):
+    del group
+    w = w.astype(jnp.float32)
+    s = jnp.max(jnp.abs(w), axis=-1, keepdims=True) / 127.0
+    s = jnp.where(s == 0, 1.0, s)
+    return jnp.clip(jnp.round(w / s), -127, 127).astype(jnp.int8), s, None
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _int4(w, group):
+    *lead, n = w.shape
+    g = w.astype(jnp.float32).reshape(*lead, n // group, group)
+    lo, hi = jnp.minimum(jnp.min(g, axis=-1), 0.0), jnp.maximum(jnp.max(g, axis=-1), 0.0)
+    s = (hi - lo) / 15.0
+    s = jnp.where(s == 0, 1.0, s)
+    z = jnp.clip(jnp.round(-lo / s), 0, 15)
+    q = jnp.clip(jnp.round(g / s[..., None]) + z[..., None], 0, 15).astype(jnp.uint8).reshape(*lead, n // 32, 2, 16)
+    packed = (q[..., 0, :] | (q[..., 1, :] << jnp.uint8(4))).reshape(*lead, n // 2)
+    return packed, s, z.astype(jnp.uint8)
+
+
+@jax.jit
+def _fp8(w, group):
+    del group
+    w = w.astype(jnp.float32)
+    s = jnp.max(jnp.abs(w), axis=-1, keepdims=True) / FP8_MAX
+    s = jnp.where(s == 0, 1.0, s)
+    return (w / s).astype(jnp.float8_e4m3fn), s, None
+
+
+_QUANTIZERS = {"int8": _int8, "int4": _int4, "fp8": _fp8}
