@@ -52,7 +52,8 @@ log = logging.getLogger("benchmark")
 
 def make_llm(**options):
     from jaxinfer import LLM
-    return LLM(F.model, load_format=F.load_format, dtype=F.dtype, compilation_cache_dir=F.compilation_cache_dir,
+    return LLM(F.model, load_format=F.load_format, dtype=F.dtype, quantization=F.quantization,
+               compilation_cache_dir=F.compilation_cache_dir,
                **options)
 
 
@@ -339,7 +340,7 @@ def main(argv):
     del argv
     logging.basicConfig(level=logging.WARNING)
     results = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), model=F.model,
-                   load_format=F.load_format)
+                   load_format=F.load_format, quantization=F.quantization)
     if "hf" in F.workload:  # before JAX takes the GPU memory
         hf_peer(results)
     import jax

@@ -37,7 +37,7 @@ def main(argv):
     logging.basicConfig(level=logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)  # keep compile logs out of the streamed text
     t0 = time.perf_counter()
-    llm = LLM(F.model, dtype=F.dtype, load_format=F.load_format,
+    llm = LLM(F.model, dtype=F.dtype, quantization=F.quantization, load_format=F.load_format,
               compilation_cache_dir=F.compilation_cache_dir, max_model_len=F.max_model_len, max_num_seqs=1,
               max_num_batched_tokens=256)
     print(f"[loaded {F.model} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from absl import flags
 
+from jaxinfer.models.weights import QUANTIZATIONS
+
 flags.DEFINE_string("model", "smollm2-135m", "Preset name (e.g. llama3-8b), local Hugging Face directory, "
                     "or .gguf file.")
 flags.DEFINE_enum("load_format", "auto", ["auto", "dummy"], "'auto' reads the weights; 'dummy' uses random "
                   "ones of the same shapes.")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and KV cache dtype (auto: "
                   "float32 on CPU, bfloat16 on accelerators).")
+flags.DEFINE_enum("quantization", "auto", ["auto", *QUANTIZATIONS],
+                  "Weight quantization (auto: a .gguf file runs in its own blocks unless --dtype is given; "
+                  "none: full precision; int8/int4[-gN]/fp8: quantized at load).")
 flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache: later runs skip "
                     "recompiling.")

@@ -65,7 +65,7 @@ def main(argv):
     config = EngineConfig(
         page_size=F.page_size, num_pages=F.num_pages, kv_cache_memory_fraction=F.kv_cache_memory_fraction,
         max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens,
-        max_model_len=F.max_model_len, dtype=F.dtype, load_format=F.load_format,
+        max_model_len=F.max_model_len, dtype=F.dtype, quantization=F.quantization, load_format=F.load_format,
         enable_prefix_caching=F.enable_prefix_caching, compilation_cache_dir=F.compilation_cache_dir,
         token_buckets=coarse_buckets(F.token_buckets, 16, F.max_num_batched_tokens),
         seq_buckets=coarse_buckets(F.seq_buckets, 4, F.max_num_seqs),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.models.weights import LOAD_FORMATS
+from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
 from jaxinfer.pallas_kernels import BACKENDS
 
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "load_format": LOAD_FORMATS,
+    "quantization": ("auto", *QUANTIZATIONS),
     "scheduling_policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute", "swap"),
     "attention_backend": BACKENDS,
@@ -30,6 +31,9 @@ class EngineConfig:
       (default: powers of two up to the limits).
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
     - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere (fast compiles).
+    - ``quantization="auto"``: a GGUF file runs in its own blocks unless ``dtype`` is given (then
+      it is dequantized to that dtype at load); other sources run in full precision. ``"int8"``,
+      ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
     """
 
     page_size: int = 16
@@ -42,6 +46,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

@@ -68,10 +68,15 @@ class LLMEngine:
         dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         layer_loop = config.layer_loop if config.layer_loop != "auto" else ("unroll" if backend == "gpu" else "scan")
         self.source = resolve_model(model)
+        quantization = config.quantization
+        if quantization == "auto":
+            native = self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
+            quantization = "gguf" if native else "none"
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format,
-                                                seed=config.seed, layer_loop=layer_loop)
-        log.info("loaded %s (%s, %.1fM params) in %.1fs", model, dtype, self.model_config.num_params() / 1e6,
+                                                seed=config.seed, layer_loop=layer_loop, quantization=quantization)
+        log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", model, dtype, quantization,
+                 self.model_config.num_params() / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
                  time.perf_counter() - t0)
         self.tokenizer = load_tokenizer(self.source)
         mc = self.model_config

