@@ -33,7 +33,8 @@ from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_
 from jaxinfer.models.layers import fold_norm
 from jaxinfer.models.spec import (Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights,
                                   param_spec)
-from jaxinfer.quant import SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device
+from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device,
+                            with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -139,12 +140,14 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
                          "(config.json + *.safetensors) or load_format='dummy'")
     elif source.kind == "orbax":
         weights = _restore_converted(source.path, dtype)
-    elif source.kind == "gguf":
-        weights = _load_gguf(source.path, config, dtype, native=quantization == "gguf")
     else:
-        weights = _load_hf(source.path, config, dtype)
-    if quantization in SCHEMES:
-        weights = quantize_weights(weights, config, quantization)
+        scheme = quantization if quantization in SCHEMES else None
+        if source.kind == "gguf":
+            weights = _load_gguf(source.path, config, dtype, native=quantization == "gguf", scheme=scheme)
+        else:
+            weights = _load_hf(source.path, config, dtype, scheme)
+    if quantization in SCHEMES and (load_format == "dummy" or source.kind == "orbax"):
+        weights = quantize_weights(weights, config, quantization)  # nothing unfolded to start from
     return config, arrange_layers(weights, config)
 
 
@@ -185,11 +188,21 @@ class _Assembler:
 
     _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0):
-        self.config, self.dtype, self.norm_offset = config, dtype, norm_offset
+    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0, scheme: str | None = None):
+        self.config, self.dtype, self.norm_offset, self.scheme = config, dtype, norm_offset, scheme
         self.pending: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
         self.layers: list[dict | None] = [None] * config.num_layers
         self.globals: dict[str, jax.Array] = {}
+
+    def _mat(self, w, norm=None):
+        """A quantizable leaf, its norm gain (if any) folded in; with a ``scheme``, quantized first
+        and the gain kept explicit (``col_scale``): folded per-column gains (SmolLM2's reach ~10x
+        the median) stretch every group's range, and int4-g64 on SmolLM2 had +51% perplexity
+        quantizing folded weights against +X% this way (docs/benchmarks.md)."""
+        if self.scheme is None or isinstance(w, QArray):
+            return self._put(w if norm is None else fold_norm(norm, w))
+        q = quantize(np.asarray(w, np.float32), self.scheme)
+        return to_device(q if norm is None else with_col_scale(q, norm))
 
     def _put(self, x) -> jax.Array:
         if isinstance(x, QArray):
@@ -199,7 +212,7 @@ class _Assembler:
     def put_global(self, name: str, array: np.ndarray) -> None:
         if name == "final_norm":
             array = np.asarray(array, np.float32) + self.norm_offset
-        self.globals[name] = self._put(array)
+        self.globals[name] = self._mat(array) if name == "lm_head" else self._put(array)
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
@@ -237,12 +250,12 @@ class _Assembler:
         checkpoint's values, then cast once."""
         c, put = self.config, self._put
         mlp_norm = p["mlp_norm"]
-        out = {"wqkv": put(fold_norm(p["attn_norm"], p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]])))}
+        out = {"wqkv": self._mat(p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]]), p["attn_norm"])}
         if c.qkv_bias:
             out["qkv_bias"] = put(np.concatenate([p["q_bias"], p["k_bias"], p["v_bias"]]))
         if c.qk_norm:
             out["q_norm"], out["k_norm"] = put(p["q_norm"]), put(p["k_norm"])
-        out["wo"] = put(p["o"])
+        out["wo"] = self._mat(p["o"])
         if c.num_experts:
             out["router"] = put(fold_norm(mlp_norm, p["router"]))
             if "experts_gate" in p:
@@ -250,16 +263,16 @@ class _Assembler:
             else:
                 gate, up, down = (np.stack([p[f"expert{e}_{w}"] for e in range(c.num_experts)])
                                   for w in ("gate", "up", "down"))
-            out["experts_gate_up"] = put(fold_norm(mlp_norm, concat([gate, up])))
-            out["experts_down"] = put(down)
+            out["experts_gate_up"] = self._mat(concat([gate, up]), mlp_norm)
+            out["experts_down"] = self._mat(down)
             if c.shared_expert_intermediate_size:
-                out["shared_gate_up"] = put(fold_norm(mlp_norm, concat([p["shared_gate"], p["shared_up"]])))
-                out["shared_down"] = put(p["shared_down"])
+                out["shared_gate_up"] = self._mat(concat([p["shared_gate"], p["shared_up"]]), mlp_norm)
+                out["shared_down"] = self._mat(p["shared_down"])
                 out["shared_gate"] = put(fold_norm(mlp_norm, np.reshape(p["shared_expert_gate"], (1, -1))))
         else:
             gate_up = p["gate_up"] if "gate_up" in p else concat([p["gate"], p["up"]])
-            out["w_gate_up"] = put(fold_norm(mlp_norm, gate_up))
-            out["w_down"] = put(p["down"])
+            out["w_gate_up"] = self._mat(gate_up, mlp_norm)
+            out["w_down"] = self._mat(p["down"])
         if c.post_norms:
             out["post_attn_norm"], out["post_mlp_norm"] = put(p["post_attn_norm"]), put(p["post_mlp_norm"])
         return out
@@ -354,14 +367,16 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, native: bool = False) -> Weights:
+def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, native: bool = False,
+               scheme: str | None = None) -> Weights:
     """``native``: quantized matmul weights and the embedding stay in their blocks (``QArray``s);
-    other tensors (norms, and routers, which llama.cpp writes in float) are read as floats."""
+    other tensors (norms, and routers, which llama.cpp writes in float) are read as floats.
+    ``scheme``: matmul weights quantized by it at load (``_Assembler._mat``)."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
     family = family_for_gguf(read_gguf_metadata(reader))
-    out = _Assembler(config, dtype)
+    out = _Assembler(config, dtype, scheme=scheme)
 
     def read(t, part):
         # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
@@ -409,12 +424,12 @@ def _safetensors_files(path: str) -> dict[str, str]:
     return files
 
 
-def _load_hf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
+def _load_hf(path: str, config: ModelConfig, dtype: np.dtype, scheme: str | None = None) -> Weights:
     from safetensors import safe_open
 
     family = FAMILIES[config.architecture]
     matchers = _layer_matcher(family.hf_layer)
-    out = _Assembler(config, dtype, family.hf_norm_offset)
+    out = _Assembler(config, dtype, family.hf_norm_offset, scheme)
     by_shard: dict[str, list[str]] = {}
     for name, shard in _safetensors_files(path).items():
         by_shard.setdefault(shard, []).append(name)

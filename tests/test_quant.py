@@ -1,0 +1,174 @@
+"""Quantized weights (jaxinfer.quant): the machinery against its oracles, the embedded model's quality.
+
+- each scheme's ``linear`` equals dequantize-then-matmul within float32 rounding (odd group counts,
+  one token on the GPU's row-reduction path, the MoE experts' stacked layout);
+- each GGUF block type decodes bit-exactly like ``gguf.quants.dequantize``;
+- bad input is a clear error naming the choices.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from jaxinfer.models import layers
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.quant import QArray, check_device_supports, dequantize, quantize, to_device
+from jaxinfer.quant import gguf as gguf_blocks
+from jaxinfer.quant.matmul import fp8_activations
+
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_tensor(rng, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw blocks of a ``name`` tensor ``[..., out, in]``: gguf's own quantizer where it has one, else
+    random bytes (every code and 6-bit scale pattern) with small finite float16 super-block scales."""
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    try:
+        return gguf_quantize(w, GGMLQuantizationType[name])
+    except NotImplementedError:
+        pass
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, size), dtype=np.uint8)
+    f16 = (rng.standard_normal((*blocks.shape[:-1], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if name == "Q6_K":
+        blocks[..., 208:210] = f16[..., :2]
+    else:
+        blocks[..., 0:4] = f16
+    return blocks.reshape(*shape[:-1], -1)
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+def test_gguf_blocks_decode_bit_exactly(name):
+    rng = np.random.default_rng(GGUF_TYPES.index(name))
+    data = gguf_tensor(rng, name, (3, 5, 768))  # a stacked [E, out, in] tensor, three K super-blocks per row
+    want = gguf_dequantize(data, GGMLQuantizationType[name])
+    got = np.asarray(jax.jit(dequantize)(to_device(gguf_blocks.from_gguf(data, name))))
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _check_linear(x, w: QArray, out_dtype=None):
+    """``linear(x, w)`` against float64 ``x @ (dequantize(w) * col_scale).T`` (fp8: of the
+    per-token fp8 activations it multiplies). Operands are exact in float32; the error is float32
+    accumulation, the output cast and, for bfloat16 activations, the decoded weight's rounding to
+    bfloat16 (which XLA may skip: a float32 decode feeding the dot directly)."""
+    y = jax.jit(layers.linear, static_argnums=2)(x, w, out_dtype)
+    out = jnp.dtype(out_dtype or x.dtype)
+    assert y.dtype == out and y.shape == (x.shape[0], w.shape[-2])
+    xs = np.asarray(x, np.float64)
+    if w.col_scale is not None:
+        xs = np.asarray((x.astype(jnp.float32) * w.col_scale).astype(x.dtype), np.float64)
+    if w.scheme == "fp8":
+        xq, s = fp8_activations(jnp.asarray(xs, x.dtype))
+        xs = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)
+    wd = np.asarray(dequantize(w, jnp.float32), np.float64)
+    want = xs @ wd.T
+    scale = np.abs(xs) @ np.abs(wd).T
+    ulp = 2.0 ** -8 if out == jnp.bfloat16 else 2.0 ** -20
+    decoded = 2.0 ** -8 if x.dtype == jnp.bfloat16 and w.scheme not in ("int8", "fp8") else 1e-5
+    got = np.asarray(y.astype(jnp.float32), np.float64)
+    np.testing.assert_array_less(np.abs(got - want), ulp * np.abs(want) + decoded * scale + 1e-30)
+
+
+@pytest.mark.parametrize("scheme,din", [("int8", 320), ("int4-g32", 96), ("int4-g64", 576), ("int4-g128", 384),
+                                        ("fp8", 320)])
+@pytest.mark.parametrize("backend,tokens,dtype", [("native", 1, "float32"), ("native", 5, "bfloat16"),
+                                                  ("gpu", 1, "bfloat16")])
+def test_quantized_linear_matches_dequantize_then_matmul(monkeypatch, backend, scheme, din, tokens, dtype):
+    """Odd group counts (576 / 64 = 9, 384 / 128 = 3, 96 / 32 = 3); "gpu" sends one token down the
+    row-reduction path (fp8's fp8 x fp8 dot is the GPU's own: on this CPU it runs emulated)."""
+    if backend == "gpu" and scheme != "fp8":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng(tokens + din)
+    x = jnp.asarray(rng.standard_normal((tokens, din)), dtype)
+    w = quantize(jnp.asarray(rng.standard_normal((200, din)) / np.sqrt(din), jnp.float32), scheme)
+    _check_linear(x, w)
+    _check_linear(x, layers.fold_norm(rng.uniform(0.2, 3.0, din), w), "float32")  # an explicit norm gain
+
+
+@pytest.mark.parametrize("name", GGUF_TYPES)
+def test_gguf_linear_matches_dequantize_then_matmul(name):
+    rng = np.random.default_rng(7)
+    w = to_device(gguf_blocks.from_gguf(gguf_tensor(rng, name, (48, 512)), name))
+    for tokens in (1, 4):
+        _check_linear(jnp.asarray(rng.standard_normal((tokens, 512)), jnp.float32), w)
+
+
+MOE = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=0, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=96)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32", "fp8", "Q4_K"])
+@pytest.mark.parametrize("tokens", [2, 9])  # 2 * 2 <= 6 experts: gathered matvecs; 9 * 2: grouped matmuls
+def test_moe_with_quantized_experts_equals_dequantized(scheme, tokens):
+    """fp8 experts run weight-only (decoded to the activations' dtype) like the others."""
+    rng = np.random.default_rng(tokens)
+
+    def stacked(shape):
+        if scheme == "Q4_K":
+            return to_device(gguf_blocks.from_gguf(gguf_tensor(rng, scheme, shape), scheme))
+        return quantize(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-1]), jnp.float32), scheme)
+
+    # K-quant rows are whole 256-column super-blocks
+    cfg = MOE if scheme != "Q4_K" else dataclasses.replace(MOE, hidden_size=256, moe_intermediate_size=256)
+    e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gain = rng.uniform(0.5, 2.0, d)
+    gate_up = layers.fold_norm(gain, stacked((e, 2 * f, d)))
+    down = stacked((e, d, f))
+    lw = {"router": jnp.asarray(rng.standard_normal((e, d)), jnp.float32), "experts_gate_up": gate_up,
+          "experts_down": down}
+    dense = dict(lw, experts_gate_up=jnp.asarray(np.asarray(dequantize(gate_up)) * gain.astype(np.float32)),
+                 experts_down=dequantize(down))
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
+    r = layers.rms_scale(x, 1e-5)
+    got = jax.jit(layers.moe, static_argnums=3)(x, r, lw, cfg)
+    want = jax.jit(layers.moe, static_argnums=3)(x, r, dense, cfg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def test_unknown_scheme_names_the_choices():
+    with pytest.raises(ValueError, match="quantization must be one of .*int8.*int4-g64.*fp8"):
+        quantize(jnp.ones((4, 64)), "int3")
+    from jaxinfer.batching.config import EngineConfig
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="nf4")
+
+
+def test_group_size_that_does_not_divide_the_dimension():
+    with pytest.raises(ValueError, match=r"group size 128 does not divide .* 576 .*\(32, 64\)"):
+        quantize(jnp.ones((8, 576)), "int4-g128")
+
+
+def test_fp8_on_a_device_without_fp8_is_refused():
+    @dataclasses.dataclass
+    class FakeDevice:
+        platform: str
+        device_kind: str
+        compute_capability: str | None = None
+
+    check_device_supports("fp8", FakeDevice("cpu", "cpu"))  # emulated, for tests
+    check_device_supports("fp8", FakeDevice("gpu", "NVIDIA H200", "9.0"))
+    check_device_supports("int8", FakeDevice("gpu", "Tesla V100", "7.0"))
+    with pytest.raises(ValueError, match="fp8 tensor cores.*A100.*int8"):
+        check_device_supports("fp8", FakeDevice("gpu", "NVIDIA A100", "8.0"))
+    with pytest.raises(ValueError, match="fp8 tensor cores"):
+        check_device_supports("fp8", FakeDevice("tpu", "TPU v4"))
+
+
+def test_unsupported_gguf_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight.*Q2_K.*Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
+        gguf_blocks.from_gguf(np.zeros((4, 84), np.uint8), "Q2_K", "blk.0.ffn_down.weight")
+
+
+def test_gguf_quantization_needs_a_gguf_file():
+    from jaxinfer.models.weights import load_model
+    with pytest.raises(ValueError, match="quantization='gguf'.*dummy"):
+        load_model("tiny-llama3", load_format="dummy", quantization="gguf")
