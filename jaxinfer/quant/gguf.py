@@ -136,5 +136,5 @@ def from_gguf(data: np.ndarray, type_name: str, name: str = "") -> QArray:
     if row_bytes % type_size:
         raise ValueError(f"GGUF tensor {name!r}: rows of {row_bytes} bytes are not whole {type_name} blocks")
     blocks = data.reshape(*lead, row_bytes // type_size, type_size)
-    fields = {**dict(zeros=None, offsets=None, high=None, col_scale=None), **parse(blocks)}
+    fields = {**dict(offsets=None, high=None, col_scale=None), **parse(blocks)}
     return QArray(**fields, scheme=scheme, group_size=FORMATS[scheme].group_size)

@@ -5,6 +5,8 @@ a leading ``layers`` axis) is integer codes plus per-group float parameters, deq
 
     w = (q - zero) * scale (+ offset)      per group of ``group_size`` consecutive input columns
 
+(``zero`` a constant of the format; ``offset`` a float zero point, ``-zero * scale`` in other terms)
+
 which is, operation for operation, how llama.cpp's formats decode (so GGUF blocks decode bit-exactly
 like ``gguf.quants.dequantize``) and how the schemes quantized at load (``schemes.py``) are defined.
 Every array field keeps the ``out`` rows on axis -2 and the input (groups, packed bytes) on axis -1,
@@ -41,15 +43,14 @@ class Format:
     bits: int  # bits per code (8: int8 or fp8 stored as is; 4-6: nibbles plus ``high`` bits)
     group_size: int | None  # fixed by the format (GGUF); None: chosen per array (``QArray.group_size``)
     zero: int = 0  # a constant zero point (Q4_0: 8, Q6_K: 32)
-    zeros: bool = False  # per-group zero points (int4)
-    offsets: bool = False  # a per-group offset added after scaling (Q4_1's min, K-quants' -dmin * m)
+    offsets: bool = False  # a per-group offset added after scaling (int4's and Q4_1's min, K-quants' -dmin * m)
     signed: bool = False  # int8 codes
     fp8: bool = False  # e4m3 codes with dynamic per-token activation scales (w8a8)
 
 
 FORMATS = {f.name: f for f in (
     Format("int8", 8, None, signed=True),
-    Format("int4", 4, None, zeros=True),
+    Format("int4", 4, None, offsets=True),
     Format("fp8", 8, None, fp8=True),
     Format("q8_0", 8, 32, signed=True),
     Format("q4_0", 4, 32, zero=8),
@@ -61,14 +62,13 @@ FORMATS = {f.name: f for f in (
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["values", "scales", "zeros", "offsets", "high", "col_scale"],
+                   data_fields=["values", "scales", "offsets", "high", "col_scale"],
                    meta_fields=["scheme", "group_size"])
 @dataclasses.dataclass
 class QArray:
     values: jax.Array  # codes: int8 / float8_e4m3fn [..., out, in], or packed nibbles uint8 [..., out, in / 2]
-    scales: jax.Array  # [..., out, in / group_size] (float16 for GGUF's own d, float32 otherwise)
-    zeros: jax.Array | None  # uint8 [..., out, in / group_size]: per-group zero points (int4)
-    offsets: jax.Array | None  # [..., out, in / group_size]: added after scaling (float16: Q4_1's m; float32)
+    scales: jax.Array  # [..., out, in / group_size] (float16: int4's and GGUF's own d; float32)
+    offsets: jax.Array | None  # [..., out, in / group_size]: added after scaling (float16: int4, Q4_1; float32)
     high: jax.Array | None  # uint8 [..., out, in * (bits - 4) / 8]: Q5_K / Q6_K's upper bits
     col_scale: jax.Array | None  # [..., in]: an explicit norm gain on the activations' columns
     scheme: str  # a key of FORMATS
@@ -117,9 +117,7 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
     q = w.codes()
     *lead, n = q.shape
     q = q.reshape(*lead, n // g, g)
-    if f.zeros:
-        q = q - w.zeros.astype(jnp.int32)[..., None]
-    elif f.zero:
+    if f.zero:
         q = q - f.zero
     out = q.astype(jnp.float32) * w.scales.astype(jnp.float32)[..., None]
     if f.offsets:
@@ -140,7 +138,7 @@ def take(w, idx: jax.Array, axis: int = 0):
 
 
 def _fields(w: QArray) -> dict:
-    return {k: getattr(w, k) for k in ("values", "scales", "zeros", "offsets", "high", "col_scale")}
+    return {k: getattr(w, k) for k in ("values", "scales", "offsets", "high", "col_scale")}
 
 
 def concat(parts: list, axis: int = -2):

@@ -2,7 +2,7 @@
 
 - ``int8``: symmetric per output channel (one float32 scale per row), bf16/f32 activations (w8a16);
 - ``int4-g32`` / ``int4-g64`` / ``int4-g128`` (``int4`` = g128): asymmetric round-to-nearest per
-  group of input columns, a float32 scale and a 4-bit zero point per group (w4a16);
+  group of input columns, a float16 scale and float zero point per group (w4a16);
 - ``fp8``: float8 e4m3 with one float32 scale per output channel; activations get a dynamic scale
   per token and the matmul runs in fp8 (w8a8) on GPUs with fp8 tensor cores, emulated in float32
   on CPU (for tests).
@@ -58,8 +58,8 @@ def quantize(w: jax.Array, scheme: str) -> QArray:
         raise ValueError(f"quantization={scheme!r}: group size {group} does not divide the weight's input "
                          f"dimension {n} (shape {tuple(w.shape)}); use a group size among "
                          f"{tuple(g for g in INT4_GROUPS if n % g == 0) or 'none'} or 'int8'")
-    values, scales, zeros = _QUANTIZERS[fmt](jnp.asarray(w), group)
-    return QArray(values, scales, zeros, None, None, None, fmt, group or n)
+    values, scales, offsets = _QUANTIZERS[fmt](jnp.asarray(w), group)
+    return QArray(values, scales, offsets, None, None, fmt, group or n)
 
 
 @jax.jit
@@ -71,17 +71,39 @@ def _int8(w, group):
     return jnp.clip(jnp.round(w / s), -127, 127).astype(jnp.int8), s, None
 
 
+# Range trims tried per group (fractions of its range cut at the bottom and the top): the one with
+# the least squared error wins. SmolLM2 int4-g64, perplexity on 512 held tokens against 16.85 in
+# float32: 21.54 with min/max, 19.96 with these; trims up to 12% measured worse (20.26).
+_TRIMS = tuple((a, b) for a in (0.0, 0.02, 0.04) for b in (0.0, 0.02, 0.04))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _int4(w, group):
+    """``w = q * scale + offset`` per group (a float zero point, as llama.cpp's Q4_1: the grid need
+    not contain 0), the range trimmed where that lowers the group's squared error; scale and
+    offset in float16 (the codes are rounded against the float16 values)."""
     *lead, n = w.shape
     g = w.astype(jnp.float32).reshape(*lead, n // group, group)
-    lo, hi = jnp.minimum(jnp.min(g, axis=-1), 0.0), jnp.maximum(jnp.max(g, axis=-1), 0.0)
-    s = (hi - lo) / 15.0
-    s = jnp.where(s == 0, 1.0, s)
-    z = jnp.clip(jnp.round(-lo / s), 0, 15)
-    q = jnp.clip(jnp.round(g / s[..., None]) + z[..., None], 0, 15).astype(jnp.uint8).reshape(*lead, n // 32, 2, 16)
+    lo0, hi0 = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
+    best = None
+    for a, b in _TRIMS:
+        lo, hi = lo0 + a * (hi0 - lo0), hi0 - b * (hi0 - lo0)
+        s = ((hi - lo) / 15.0).astype(jnp.float16)
+        s = jnp.where(s == 0, jnp.float16(1), s)
+        m = lo.astype(jnp.float16)
+        sf, mf = s.astype(jnp.float32)[..., None], m.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round((g - mf) / sf), 0, 15)
+        err = jnp.sum(jnp.square(q * sf + mf - g), axis=-1)
+        if best is None:
+            best = (err, q, s, m)
+        else:
+            take = err < best[0]
+            best = (jnp.where(take, err, best[0]), jnp.where(take[..., None], q, best[1]),
+                    jnp.where(take, s, best[2]), jnp.where(take, m, best[3]))
+    _, q, s, m = best
+    q = q.astype(jnp.uint8).reshape(*lead, n // 32, 2, 16)
     packed = (q[..., 0, :] | (q[..., 1, :] << jnp.uint8(4))).reshape(*lead, n // 2)
-    return packed, s, z.astype(jnp.uint8)
+    return packed, s, m
 
 
 @jax.jit
