@@ -8,6 +8,8 @@ Workloads (``--workload``):
   throughput  1000 requests x (512 random prompt + 256 output) tokens: output tok/s, MFU, TTFT/TPOT.
   prefix      500 requests sharing a 1024-token system prompt + 64 unique: prefix caching on vs off.
   hf          transformers generate at --hf_batch_sizes on the same config and weights (the peer).
+  decode      CPU-sized: 8 x (128 random prompt + 128 out) output tok/s, and one decode step alone
+              at batch 1 and 8 (context 128): compare weight formats with --quantization.
 
     python scripts/benchmark.py                                   # offline, embedded model, CPU
     python scripts/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
@@ -244,6 +246,27 @@ def profile_decode(llm, prompts) -> dict:
     return out
 
 
+def decode(results):
+    """The issue's CPU workload, 8 x (128 + 128), and the decode step alone at batch 1 and 8."""
+    from ceilings import timeit
+    llm = make_llm(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, token_buckets=(8, 128),
+                   seq_buckets=(1, 8), page_buckets=(16,))
+    warm = llm.warmup(greedy_only=True)
+    rng = np.random.default_rng(4)
+    prompts = random_prompts(rng, 8, [128] * 8, llm.engine.model_config.vocab_size)
+    run_requests(llm, prompts[:1], [4])
+    wall, ttft, tpot, produced = run_requests(llm, prompts, [128] * 8)
+    out = dict(output_tok_s=produced / wall, ttft_p50_s=pct(ttft, 50), tpot_p50_ms=pct(tpot, 50) * 1e3,
+               weight_bytes=weight_bytes(llm), warmup_s=warm)
+    for b in (1, 8):
+        step, free = decode_step(llm, prompts[:b])
+        out[f"step_bs{b}_ms"] = timeit(step, reps=5, inner=3) * 1e3
+        free()
+    results["decode"] = out
+    del llm
+    gc.collect()
+
+
 def throughput(results, flops):
     import jax
     n, seqs, budget = F.throughput_requests, F.throughput_max_num_seqs, F.throughput_max_num_batched_tokens
@@ -359,6 +382,8 @@ def main(argv):
             throughput(results, flops)
         elif w == "prefix":
             prefix(results)
+        elif w == "decode":
+            decode(results)
         elif w != "hf":
             raise app.UsageError(f"unknown workload {w!r}")
     save(results)
@@ -388,7 +413,7 @@ def print_table(results):
     print(f"\ndevice: {results['device']}  read bandwidth {results['read_bandwidth_gb_s']:.0f} GB/s  "
           f"matmul {results['matmul_tflop_s']:.1f} TFLOP/s")
     print(f"{'workload':<12} {'metric':<34} {'value':>12}")
-    for w in ("offline", "latency", "throughput", "prefix", "hf"):
+    for w in ("offline", "latency", "throughput", "prefix", "decode", "hf"):
         for k, v in results.get(w, {}).items():
             print(f"{w:<12} {k:<34} {v:>12.4g}" if isinstance(v, float) else f"{w:<12} {k:<34} {v:>12}")
     print(f"(json: {F.out})")

@@ -172,3 +172,31 @@ def test_gguf_quantization_needs_a_gguf_file():
     from jaxinfer.models.weights import load_model
     with pytest.raises(ValueError, match="quantization='gguf'.*dummy"):
         load_model("tiny-llama3", load_format="dummy", quantization="gguf")
+
+
+# ------------------------------------------------------------------------- the embedded model
+
+def test_embedded_model_quality_and_memory_per_scheme(smollm2_tokenizer):
+    """Perplexity on the first 192 tokens of the held text (the full table: scripts/perplexity.py,
+    docs/benchmarks.md): int8 within 1% of float32, int4-g32 and the GGUF blocks run natively within
+    10%; native GGUF resident bytes about the file's size, not 4x it."""
+    import os
+
+    from jaxinfer.models.perplexity import perplexity
+    from jaxinfer.models.weights import load_model, resolve_model
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "held_text.txt")) as f:
+        ids = smollm2_tokenizer.encode(f.read())[:192]
+    ppl, size = {}, {}
+    for scheme in ("none", "gguf", "int8", "int4-g32"):
+        config, weights = load_model("smollm2-135m", quantization=scheme)
+        ppl[scheme] = perplexity(weights, config, ids, chunk=96)
+        size[scheme] = sum(x.nbytes for x in jax.tree.leaves(weights))
+        del weights
+    assert 1.0 < ppl["none"] < 100.0
+    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
+    assert abs(ppl["int4-g32"] / ppl["none"] - 1) < 0.10, ppl
+    assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.10, ppl
+    file_bytes = os.path.getsize(resolve_model("smollm2-135m").path)
+    assert 0.9 < size["gguf"] / file_bytes < 1.05, (size, file_bytes)
+    assert size["int8"] < size["none"] / 2.5 and size["int4-g32"] < size["int8"], size
