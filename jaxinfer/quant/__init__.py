@@ -19,9 +19,9 @@ per-channel and per-group scales) is a few lines (``schemes.py``), so one repres
 own covers both the schemes quantized at load and the GGUF blocks.
 """
 
-from jaxinfer.quant.matmul import expert_weights, qlinear
+from jaxinfer.quant.matmul import qlinear, to_dense
 from jaxinfer.quant.qarray import FORMATS, QArray, concat, dequantize, map_rows, take, to_device, with_col_scale
 from jaxinfer.quant.schemes import SCHEMES, check_device_supports, parse_scheme, quantize
 
-__all__ = ["FORMATS", "QArray", "SCHEMES", "check_device_supports", "concat", "dequantize", "expert_weights",
-           "map_rows", "parse_scheme", "qlinear", "quantize", "take", "to_device", "with_col_scale"]
+__all__ = ["FORMATS", "QArray", "SCHEMES", "check_device_supports", "concat", "dequantize", "map_rows", "parse_scheme",
+           "qlinear", "quantize", "take", "to_dense", "to_device", "with_col_scale"]

@@ -58,10 +58,10 @@ def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
                                preferred_element_type=out_dtype)
 
 
-def expert_weights(w, dtype) -> jax.Array:
-    """A stacked experts leaf ``[(E or rows), out, in]`` as float weights of ``dtype`` with its
-    ``col_scale`` folded in (a gathered slice per token at decode, the whole stack for grouped
-    matmuls): the MoE block's one entry point for quantized experts."""
+def to_dense(w, dtype) -> jax.Array:
+    """A weight as float ``dtype`` with its ``col_scale`` folded in, for the einsums that take no
+    ``QArray`` (the MoE experts: a gathered slice per token at decode, the whole stack for grouped
+    matmuls; the embedding's gathered rows). A plain array is just cast."""
     if not isinstance(w, QArray):
         return w.astype(dtype)
     d = dequantize(w, jnp.float32)
