@@ -15,7 +15,8 @@ flags.DEFINE_enum("load_format", "auto", ["auto", "dummy"], "'auto' reads the we
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and KV cache dtype (auto: "
                   "float32 on CPU, bfloat16 on accelerators).")
 flags.DEFINE_enum("quantization", "auto", ["auto", *QUANTIZATIONS],
-                  "Weight quantization (auto: a .gguf file runs in its own blocks unless --dtype is given; "
-                  "none: full precision; int8/int4[-gN]/fp8: quantized at load).")
+                  "Weight quantization (auto: on accelerators a .gguf file runs in its own blocks unless --dtype "
+                  "is given; gguf: those blocks anywhere; none: full precision; int8/int4[-gN]/fp8: quantized "
+                  "at load).")
 flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache: later runs skip "
                     "recompiling.")

@@ -31,8 +31,9 @@ class EngineConfig:
       (default: powers of two up to the limits).
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
     - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere (fast compiles).
-    - ``quantization="auto"``: a GGUF file runs in its own blocks unless ``dtype`` is given (then
-      it is dequantized to that dtype at load); other sources run in full precision. ``"int8"``,
+    - ``quantization="auto"``: on accelerators a GGUF file runs in its own blocks unless ``dtype``
+      is given (then it is dequantized to that dtype at load); on CPU, and for other sources, full
+      precision (``"gguf"`` asks for the blocks anywhere). ``"int8"``,
       ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
     """
 

@@ -70,7 +70,10 @@ class LLMEngine:
         self.source = resolve_model(model)
         quantization = config.quantization
         if quantization == "auto":
-            native = self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
+            # Not on CPU: XLA:CPU decodes the blocks into a float copy every step, 2.5-4x slower per
+            # decode step than float32 weights for SmolLM2 (docs/benchmarks.md); --quantization gguf opts in.
+            native = (self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
+                      and backend != "cpu")
             quantization = "gguf" if native else "none"
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format,
