@@ -15,27 +15,32 @@ from helpers import all_position_logits
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.models.weights import load_model
 
-VOCAB = 256
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+VOCAB = 263  # odd sizes wherever a family allows them; GQA everywhere
+BASE = dict(vocab_size=VOCAB, hidden_size=63, intermediate_size=97, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# transformers' grouped expert matmul wants 16-byte strides, Phi-3 derives head_dim from the hidden size
+# and Gemma validates it against the heads: those keep even sizes.
+EVEN = dict(hidden_size=64)
+MOE = dict(EVEN, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # family -> (transformers config class name, fields over BASE)
 FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=12)),
-    "qwen2": ("Qwen2Config", dict(rope_theta=1e6)),  # Q/K/V biases
+    "qwen2": ("Qwen2Config", dict(rope_theta=1e6)),  # Q/K/V biases (hidden sizes: odd unless validated)
     "qwen3": ("Qwen3Config", dict(head_dim=24)),  # Q/K norms; head_dim != hidden / heads
-    "gemma2": ("Gemma2Config", dict(num_hidden_layers=3, tie_word_embeddings=True, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+    "gemma2": ("Gemma2Config", dict(EVEN, num_hidden_layers=3, tie_word_embeddings=True, head_dim=32,
+                                    sliding_window=12, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                     hidden_activation="gelu_pytorch_tanh")),
-    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=3, tie_word_embeddings=True, head_dim=32, sliding_window=12,
+    "gemma3": ("Gemma3TextConfig", dict(EVEN, num_hidden_layers=3, tie_word_embeddings=True, head_dim=32,
+                                        sliding_window=12,
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                         query_pre_attn_scalar=32)),
-    "phi3": ("Phi3Config", dict(num_key_value_heads=4, original_max_position_embeddings=64,  # LongRoPE
+    "phi3": ("Phi3Config", dict(EVEN, original_max_position_embeddings=64,  # LongRoPE
                                 rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                                               "long_factor": [2.0 + i / 4 for i in range(8)]})),
-    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(EVEN, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, **MOE, shared_expert_intermediate_size=48,
                                          norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, **MOE, norm_topk_prob=True)),
@@ -95,6 +100,13 @@ def test_logits_match_transformers(family_dir):
         err = rel_err(all_position_logits(config, weights, tokens), ref)
         print(f"{family} {loop}: rel err {err:.2e}")
         assert err < 1e-4
+    if config.final_soft_cap:  # the caps are active: uncapped logits pass them, and each cap matters
+        uncapped = all_position_logits(config.replace(final_soft_cap=None), weights, tokens)
+        assert np.abs(uncapped).max() > config.final_soft_cap
+        assert rel_err(all_position_logits(config.replace(attn_soft_cap=None), weights, tokens), ref) > 1e-2
+    if config.sliding_window:  # the window is shorter than the prompt and changes the result
+        assert config.sliding_window < len(tokens)
+        assert rel_err(all_position_logits(config.replace(sliding_window=None), weights, tokens), ref) > 1e-2
 
 
 def test_greedy_batched_matches_transformers(family_dir):
@@ -227,3 +239,54 @@ def test_gguf_layouts_match_transformers(tmp_path, family, monkeypatch):
     err = rel_err(all_position_logits(config, weights, tokens), hf_logits(model, tokens))
     print(f"{family} gguf: rel err {err:.2e}")
     assert err < 1e-4
+
+
+def test_server_serves_a_qwen2_checkpoint_with_chat_and_streaming(tmp_path, smollm2_tokenizer):
+    """scripts/serve.py on a Qwen2 directory (SmolLM2's tokenizer and chat template, so the vocabulary
+    is a real one): streamed and whole chat replies equal the offline engine's greedy chat."""
+    import openai
+    import transformers
+    from test_server import Server
+
+    config = transformers.Qwen2Config(**{**BASE, "vocab_size": len(smollm2_tokenizer)})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    opts = dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    buckets = dict(token_buckets="2,64", seq_buckets="2", page_buckets="8")
+    messages = [{"role": "user", "content": "Name three colors."}]
+    expected = LLM(str(tmp_path), **opts, token_buckets=(2, 64), seq_buckets=(2,), page_buckets=(8,)).chat(
+        messages, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].text
+    assert expected
+
+    srv = Server([f"--model={tmp_path}", *(f"--{k}={v}" for k, v in {**opts, **buckets}.items())])
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model=str(tmp_path), messages=messages, max_tokens=16, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+        whole = client.chat.completions.create(**kw)
+        assert whole.choices[0].message.content == expected and whole.usage.completion_tokens == 16
+        chunks = client.chat.completions.create(**kw, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    finally:
+        srv.stop()
+
+
+def test_unsupported_checkpoints_fail_at_load(tmp_path):
+    import json
+
+    save_random_hf("qwen2", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for bad, match in [(dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"),
+                        r"unsupported architecture 'GPTNeoXForCausalLM'; supported: LlamaForCausalLM, .*Qwen2"),
+                       (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+                        r"unsupported rope scaling type 'yarn'; supported: llama3, linear, longrope"),
+                       (dict(hidden_act="relu"), r"unsupported activation 'relu' for qwen2")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ValueError, match=match):
+            load_model(str(tmp_path))
