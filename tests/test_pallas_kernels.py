@@ -3,9 +3,11 @@
 On CPU the TPU kernel and the GPU (Triton) kernel both run in Pallas interpret mode; on a GPU the
 GPU kernel runs natively (same cases); the native TPU case skips unless a TPU is present. Shapes are
 small because interpret mode is slow, but cover: decodes and (chunked) prefill in one batch, context
-lengths 1, page_size-1, page_size, page_size+1 and several pages, GQA 1/3/8, head_dim 64/128, page
-sizes 16..128, f32/bf16, pages scattered in the pool, soft-cap, sliding window, padding sequences
-and padding tokens (which must come out as zeros).
+lengths 1, page_size-1, page_size, page_size+1 and several pages, GQA 1/2/3/7/8, head_dim 64/128/256,
+page sizes 16..128, f32/bf16, pages scattered in the pool, soft-cap, sliding windows shorter than
+the context and across page boundaries (static and traced), Q/K/V biases and per-head q/k norms in
+the RoPE kernels, padding sequences and padding tokens (which must come out as zeros); and the
+decoder of a family with all of these through the kernels against the same decoder on the reference.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ CASES = {
                                      64, 2, 128, 1, jnp.float32, 3.0, 20),
     "bf16_gqa3_page128_window": ([(1, 127), (1, 129), (40, 300)],
                                  128, 1, 64, 3, jnp.bfloat16, 20.0, 50),
+    # Gemma 2's head_dim 256, GQA 2 and soft cap 50 (scores scaled up so the cap bites); in float32
+    # the GPU kernel's prefill key blocks are half a page (shared memory, gpu._fit).
+    "gemma2_f32_gqa2_d256_softcap_window": ([(1, 150), (1, 40), (1, 7), (11, 90)],
+                                            64, 1, 256, 2, jnp.float32, 50.0, 40),
+    # Qwen2.5-7B's GQA 7 (28/4 heads): rows of a block are not a power of two of tokens.
+    "qwen_bf16_gqa7_d128": ([(1, 33), (1, 90), (6, 6), (13, 50)], 16, 1, 128, 7, jnp.bfloat16, None, None),
 }
 
 
@@ -96,7 +104,10 @@ def test_matches_reference(kernel, case):
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
                                group=group, dtype=dtype)
-    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    # With a soft cap, scores scaled to a standard deviation of cap / 2, so the cap bites (one
+    # score in twenty is past it before capping).
+    kw = dict(scale=head_dim ** -0.5 * (1.0 if soft_cap is None else soft_cap / 2), soft_cap=soft_cap,
+              sliding_window=window)
     layer = jnp.int32(1)  # traced, as inside the model's lax.scan over layers
     with jax.default_matmul_precision("float32"):  # no TF32 in the oracle on GPU
         ref = jax.jit(functools.partial(reference, **kw))(q, kc, vc, layer, md)
@@ -120,6 +131,55 @@ def test_static_layer_and_decode_only(kernel):
         ref = reference(q, kc, vc, 0, md, scale=0.125)
     out = jax.jit(lambda q, k, v, md: kernel(q, k, v, 0, md, scale=0.125))(q, kc, vc, md)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS[:2] + [pytest.param(
+    functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU, num_splits=4, decode_block_k=16),
+    id="gpu_splits4")])
+def test_traced_sliding_window(kernel):
+    """The window as a traced scalar, as the scanned layer loop passes it (each layer's, global
+    layers ``decoder.GLOBAL_WINDOW``): one compiled kernel, run with a window shorter than the context
+    (starting mid-page) and with the global one, against the reference with a static window and with
+    none. Decodes, a chunked prefill and a context shorter than the window; with four KV splits over
+    the window's key blocks, some of them empty. Pages wholly before the window hold NaN in the
+    short window's run: a kernel that loaded them (even masked: 0 * NaN) would return NaN."""
+    from jaxinfer.models.decoder import GLOBAL_WINDOW
+
+    rng = np.random.default_rng(11)
+    seqs, ps = [(1, 100), (1, 16), (1, 1), (9, 50)], 16
+    q, kc, vc, md = make_batch(rng, seqs, page_size=ps, num_kv_heads=2, head_dim=64, group=2, dtype=jnp.float32)
+    pt = np.array(md.page_table)
+    # Pages wholly before position 100 - 23 + 1 = 78 (seq 0) and 41 - 23 + 1 = 19 (seq 3), the first visible.
+    outside = list(pt[0, :78 // ps]) + list(pt[3, :19 // ps])
+    for s, (_, ctx) in enumerate(seqs):  # page-table padding must not point at them either
+        pad = pt[s, -(-ctx // ps):]
+        pad[np.isin(pad, outside)] = pt[0, 99 // ps]
+    md = dataclasses.replace(md, page_table=jnp.asarray(pt))
+    poisoned = [c.at[1, np.asarray(outside)].set(np.nan) for c in (kc, vc)]
+    f = jax.jit(lambda q, kc, vc, md, w: kernel(q, kc, vc, jnp.int32(1), md, scale=0.125, sliding_window=w))
+    n_real = int(md.query_start[-1])
+    for window, static, cache in ((23, 23, poisoned), (GLOBAL_WINDOW, None, (kc, vc))):
+        with jax.default_matmul_precision("float32"):
+            ref = reference(q, kc, vc, 1, md, scale=0.125, sliding_window=static)
+        out = np.asarray(f(q, *cache, md, jnp.int32(window)))
+        assert not out[n_real:].any()
+        assert rel_err(out[:n_real], np.asarray(ref)[:n_real]) < 1e-5
+    assert f._cache_size() == 1
+
+
+def test_gpu_shared_memory_plans():
+    """What ``gpu._fit`` gives each shape: the tuned bf16 plans up to head_dim 128 unchanged (so the
+    Llama path compiles the same kernels), fewer stages for head_dim 256, and in float32 at head_dim
+    256 key blocks of half a 64-slot page; every plan within the budget."""
+    fit = gpu._fit
+    assert fit(64, 3, rows=16, head_dim=128, itemsize=2) == (64, 3)  # decode, Llama 8B
+    assert fit(64, 2, rows=128, head_dim=128, itemsize=2) == (64, 2)  # prefill
+    assert fit(64, 3, rows=16, head_dim=256, itemsize=2) == (64, 2)  # decode, Gemma 2
+    assert fit(64, 2, rows=64, head_dim=256, itemsize=2) == (64, 2)  # prefill
+    assert fit(64, 2, rows=64, head_dim=256, itemsize=4) == (32, 2)
+    assert fit(128, 3, rows=16, head_dim=256, itemsize=4) == (64, 1)
+    with pytest.raises(ValueError, match="head_dim 96 .* allowed: \\(16, 32, 64, 128, 256\\)"):
+        rope_kv.check_head_dim(96)
 
 
 @pytest.mark.parametrize("case,splits", [("mixed_f32_gqa3_d64", 1), ("mixed_bf16_gqa8_d128", 3)])
