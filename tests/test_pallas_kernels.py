@@ -214,14 +214,26 @@ def test_get_kernels():
         get_kernels("cuda")
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_per_program", [
-    (9, 3, 64, jnp.float32, None), (9, 3, 64, jnp.float32, 3), (32, 8, 128, jnp.bfloat16, None),
-    (32, 8, 128, jnp.bfloat16, 2)])
-def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, kv_per_program):
+def attention_extras(rng, extras, heads, kv_heads, head_dim, dtype):
+    """Random Q/K/V biases (Qwen2) and q/k norm gains (Qwen3, Gemma 3), as ``extras`` names them."""
+    out = {}
+    if "bias" in extras:
+        out["qkv_bias"] = jnp.asarray(rng.standard_normal((heads + 2 * kv_heads) * head_dim), dtype)
+    if "norm" in extras:
+        out.update({name: jnp.asarray(1 + 0.5 * rng.standard_normal(head_dim), dtype) for name in ("q_norm", "k_norm")})
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_per_program,extras", [
+    (9, 3, 64, jnp.float32, None, ""), (9, 3, 64, jnp.float32, 3, ""), (32, 8, 128, jnp.bfloat16, None, ""),
+    (32, 8, 128, jnp.bfloat16, 2, ""), (14, 2, 128, jnp.bfloat16, None, "bias"), (8, 4, 256, jnp.float32, 4, "norm"),
+    (6, 6, 64, jnp.float32, 2, "bias+norm")])
+def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, kv_per_program, extras):
     """The fused norm scale + RoPE + K/V write kernel against the jnp path: q, and both caches (written
     slots scattered over the pool, padding tokens' out-of-pool slots dropped, other slots untouched).
     Head counts that are not powers of two (SmolLM2's 9/3) exercise the masked rows, its hidden size
-    576 the masked residual row; programs of one kv head (the default here) and of several."""
+    576 the masked residual row; programs of one kv head (the default here) and of several. Q/K/V
+    biases with GQA 7 (Qwen2.5-7B's ratio), q/k head norms at head_dim 256 (Gemma 3), both with GQA 1."""
     rng = np.random.default_rng(heads)
     num_layers, num_pages, page_size, t, hidden = 2, 6, 16, 7, heads * head_dim
     cache = KVCache(*(jnp.asarray(rng.standard_normal((num_layers, num_pages, page_size, kv_heads, head_dim)), dtype)
@@ -232,7 +244,8 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
     slots = rng.permutation(num_pages * page_size)[:t]
     slots[-2:] = num_pages * page_size  # padding tokens
     inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-5,
+              **attention_extras(rng, extras, heads, kv_heads, head_dim, dtype))
     layer = jnp.int32(1)
     with jax.default_matmul_precision("float32"):
         q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, x, positions, inv_freq, cache,
@@ -248,21 +261,27 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
     with pytest.raises(ValueError, match="kv_per_program=2 must divide num_kv_heads=3"):
         rope_kv.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots), num_heads=9,
                               num_kv_heads=3, eps=1e-5, kv_per_program=2)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        rope_kv.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots), num_heads=heads,
+                              num_kv_heads=kv_heads, eps=1e-5, q_norm=jnp.ones(head_dim))
 
 
-@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window", [
-    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None),
-    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None),
-    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20),
-    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None)])
+@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window,extras", [
+    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, ""),
+    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None, ""),
+    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20, ""),
+    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None, ""),
+    ((1, 40, 90), 16, 1, 2, 256, jnp.float32, 4, 16, 50.0, 24, "norm+traced"),
+    ((33, 64, 65), 16, 1, 7, 128, jnp.bfloat16, None, 64, None, None, "bias")])
 def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_heads, group, head_dim, dtype, splits,
-                                                     block_k, soft_cap, window):
+                                                     block_k, soft_cap, window, extras):
     """The decode-only kernel (norm scale, RoPE, K/V write and attention in one) against the jnp
     rope_write_kv followed by the reference attention: the output and both caches. Covers a sequence
     whose only key is its new token, new tokens at a page's first and last slot, a padding sequence
     and padding tokens (zeros out, no cache write), SmolLM2's 9/3 heads and 576-wide residual rows,
     one KV split (rows written directly) and several (combined), multi-page key blocks, soft-cap and
-    a sliding window."""
+    a sliding window (static; traced, with Gemma's head_dim 256, soft cap 50 and q/k norms), Q/K/V
+    biases with GQA 7."""
     rng = np.random.default_rng(sum(seq_lens))
     _, kc, vc, md = make_batch(rng, [(1, n) for n in seq_lens], page_size=page_size, num_kv_heads=kv_heads,
                                head_dim=head_dim, group=group, dtype=dtype, pad_tokens=2)
@@ -278,14 +297,20 @@ def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_hea
     x = jnp.asarray(rng.standard_normal((t, heads * head_dim)) * rng.uniform(0.2, 5.0, (t, 1)), dtype)
     inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
     cache, layer = KVCache(kc, vc), jnp.int32(1)
-    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    kw = dict(scale=head_dim ** -0.5 * (1.0 if soft_cap is None else soft_cap / 2), soft_cap=soft_cap)
+    ex = attention_extras(rng, extras, heads, kv_heads, head_dim, dtype)
     with jax.default_matmul_precision("float32"):
         q, c_ref = rope_write_kv(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md.slot_mapping,
-                                 num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
-        ref = reference(q, c_ref.k, c_ref.v, layer, md, **kw)
+                                 num_heads=heads, num_kv_heads=kv_heads, eps=1e-5, **ex)
+        ref = reference(q, c_ref.k, c_ref.v, layer, md, sliding_window=window, **kw)
     kernel = functools.partial(gpu.rope_decode_attention, interpret=not ON_GPU, num_splits=splits,
-                               decode_block_k=block_k, num_heads=heads, eps=1e-5, **kw)
-    out, c = jax.jit(kernel, donate_argnums=(4,))(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md)
+                               decode_block_k=block_k, num_heads=heads, eps=1e-5, **kw, **ex)
+    if "traced" in extras:
+        out, c = jax.jit(lambda *a, w: kernel(*a, sliding_window=w), donate_argnums=(4,))(
+            qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md, w=jnp.int32(window))
+    else:
+        out, c = jax.jit(functools.partial(kernel, sliding_window=window), donate_argnums=(4,))(
+            qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md)
     assert out.shape == q.shape and out.dtype == dtype
     out = np.asarray(out.astype(jnp.float32))
     assert not out[n:].any(), "padding tokens must produce zeros"
