@@ -225,9 +225,9 @@ def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
         return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale, soft_cap=soft_cap,
                                       sliding_window=sliding_window), cache
 
-    monkeypatch.setattr(engine, "get_kernels", lambda _: {"attention": ragged_paged_attention,
-                                                          "decode_attention": decode_attention,
-                                                          "decode_attention_max_seqs": 2})
+    monkeypatch.setattr(engine, "get_kernels", lambda *_: {"attention": ragged_paged_attention,
+                                                           "decode_attention": decode_attention,
+                                                           "decode_attention_max_seqs": 2})
     eng = LLM("tiny-llama3", **BASE).engine
     eng.warmup(greedy_only=True)
     assert set(traced) == {1, 2}, traced  # the decode-only variants of the 1- and 2-sequence buckets only

@@ -212,6 +212,12 @@ def test_get_kernels():
         assert get_kernels("auto") == {"attention": reference}
     with pytest.raises(ValueError, match="pallas_gpu"):
         get_kernels("cuda")
+    # Phi-3's head_dim 96: "auto" falls back to the reference; asking for the GPU kernels is an error.
+    if not ON_TPU:
+        assert get_kernels("auto", head_dim=96) == {"attention": reference}
+    assert get_kernels("pallas_gpu", head_dim=256)["rope_write_kv"] is rope_kv.rope_write_kv
+    with pytest.raises(ValueError, match="head_dim 96 is not supported by the pallas_gpu kernels"):
+        get_kernels("pallas_gpu", head_dim=96)
 
 
 def attention_extras(rng, extras, heads, kv_heads, head_dim, dtype):
@@ -340,7 +346,7 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     if backend == "pallas_gpu":
         interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) else fn
                        for name, fn in get_kernels(backend).items()}
-        monkeypatch.setattr(engine, "get_kernels", lambda _: interpreted)
+        monkeypatch.setattr(engine, "get_kernels", lambda *_: interpreted)
     got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 
