@@ -410,6 +410,15 @@ def decoder_steps(page_size=8):
     return steps
 
 
+def family_config(**changes):
+    """A tiny config with every option the kernels take: Q/K/V biases, q/k head norms, a soft cap,
+    interleaved sliding-window (6) and global layers with their own RoPE bases, GQA 2."""
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=True, post_norms=True,
+                  hidden_act="gelu_tanh", attn_soft_cap=0.5, sliding_window=6, sliding_layers=(True, False),
+                  rope_local_theta=1000.0, rope_scaling=None, vocab_size=97)
+    return dataclasses.replace(PRESETS["tiny-llama3"], **{**fields, **changes})
+
+
 def test_decoder_family_through_gpu_kernels():
     """The generic decoder (jaxinfer.models.decoder) of a family with every option the kernels take:
     Q/K/V biases, q/k head norms, soft cap (0.5: scores of order one pass it), interleaved
@@ -421,11 +430,7 @@ def test_decoder_family_through_gpu_kernels():
     from jaxinfer.models.decoder import forward
     from jaxinfer.models.spec import init_dummy_weights
 
-    config = dataclasses.replace(
-        PRESETS["tiny-llama3"], num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=True,
-        post_norms=True, hidden_act="gelu_tanh", attn_soft_cap=0.5, sliding_window=6,
-        sliding_layers=(True, False), rope_local_theta=1000.0, rope_scaling=None, vocab_size=97,
-        layer_loop="scan")
+    config = family_config(layer_loop="scan")
     weights = init_dummy_weights(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     # Non-trivial biases and norm gains (dummy weights have zeros and ones).
@@ -447,3 +452,26 @@ def test_decoder_family_through_gpu_kernels():
         assert rel_err(logits["kernels"], logits["reference"]) < 1e-5
         for got, want in zip(jax.tree.leaves(caches["kernels"]), jax.tree.leaves(caches["reference"])):
             assert rel_err(got, want) < 1e-5
+
+
+def test_gpu_family_step_lowers_for_cuda():
+    """The family's steps with the GPU kernels (head_dim 256, Gemma 2's; static windows: the unrolled
+    loop), lowered for CUDA (on CPU too: Pallas emits the Triton IR here, so an operation Triton
+    cannot lower fails here, not first on the H200): per layer the RoPE + K/V write, decode and
+    prefill kernels in mixed steps, the fused decode kernel alone in the decode-only one; and no
+    ``while`` loop (see test_gpu_step_has_no_host_synced_loops)."""
+    from jaxinfer.models.decoder import forward
+    from jaxinfer.models.spec import abstract_weights
+
+    config = family_config(head_dim=256, layer_loop="unroll")
+    weights = abstract_weights(config, jnp.bfloat16)
+    cache = jax.eval_shape(lambda: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, 256, jnp.bfloat16))
+    step = jax.jit(forward, static_argnames=("config", "ops"))
+    for tokens, positions, md in decoder_steps():
+        text = step.trace(weights, tokens, positions, cache, md, config=config, ops=Ops(**get_kernels("pallas_gpu"))
+                          ).lower(lowering_platforms=("cuda",)).as_text()
+        names = ["rope_paged_decode_gpu"] if md.decode_only else ["rope_write_kv_gpu", "paged_decode_gpu",
+                                                                  "paged_prefill_gpu"]
+        assert text.count("__gpu$xla.gpu.triton") == len(names) * config.num_layers
+        assert all(name in text for name in names)
+        assert "stablehlo.while" not in text
