@@ -34,8 +34,18 @@ Design, and why:
 - K/V are read in place from the stacked cache ``[layers, pages, page_size, kv_heads, D]`` at the
   (traced or static) layer index; each page of one kv head is ``page_size`` rows of ``D`` contiguous
   elements. No per-layer copy, no gather into a dense context.
+- Model options (what the families of ``jaxinfer.models.families`` need) are static where they are
+  static, so Llama's kernels compile as before: a soft cap (Gemma 2) is a tanh on the scores; Q/K/V
+  biases (Qwen2) and per-head q/k norms (Qwen3, Gemma 3) are loaded and applied in the fused decode
+  kernel only when given. A sliding window is an operand (``_layer_window``), since the scanned layer
+  loop passes each layer's traced: key blocks wholly before it are never loaded (prefill blocks start
+  at it; decode splits divide only the blocks it leaves), the rest are masked per row.
+- head_dim 16 to 256 (``rope_kv.HEAD_DIMS``). Shared memory bounds the tiles (``_fit``, 200 of the
+  227 KiB an H100/H200 block may take): at 256 the decode kernel runs 2 pipeline stages instead of 3,
+  the prefill kernel 64 query rows in 8 warps (128 rows of float32 accumulator would spill registers),
+  and in float32 key blocks of half a 64-slot page.
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
-powers of two (Triton block shapes); head_dim 64 or 128.
+powers of two (Triton block shapes).
 
 Where it stands (docs/benchmarks.md, H200, jax 0.11.2): decode 64 x 4096 ctx, page_size 64, the
 whole call streams K/V at 3.86 TB/s (87% of the 4.44 TB/s read bandwidth measured in the same run;
