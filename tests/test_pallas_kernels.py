@@ -338,8 +338,8 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     from jaxinfer import LLM, SamplingParams
     import jaxinfer.batching.engine as engine
 
-    opts = dict(load_format="dummy", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
-                token_buckets=(8, 32), seq_buckets=(4,), page_buckets=(8,))
+    opts = dict(load_format="dummy", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
+                max_model_len=128, token_buckets=(8, 32), seq_buckets=(4,), page_buckets=(8,))
     prompts = [list(range(3, 3 + n)) for n in (5, 21, 40)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny-llama3", attention_backend="reference", **opts).generate(prompts, params)

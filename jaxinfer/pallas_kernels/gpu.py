@@ -278,25 +278,29 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         row_ok = (r < group) & live
         one = jnp.zeros((1, 1), jnp.int32)
-        heads_qkv = (h * group + jnp.minimum(r, group - 1), one + num_heads + h, one + num_heads + num_kv_heads + h)
-        masks = (row_ok, live, live)
-        raw = [head_rows(qkv_ref, tok * heads + n, m) for n, m in zip(heads_qkv, masks)]
+        q_head = h * group + jnp.minimum(r, group - 1)
+        k_head, v_head = one + num_heads + h, one + num_heads + num_kv_heads + h
+        q_raw = head_rows(qkv_ref, tok * heads + q_head, row_ok)
+        k_raw = head_rows(qkv_ref, tok * heads + k_head, live)
+        v_raw = head_rows(qkv_ref, tok * heads + v_head, live)[0]
         if has_bias:
-            bias = [head_rows(bias_ref, n, m) for n, m in zip(heads_qkv, masks)]
+            q_bias, k_bias = head_rows(bias_ref, q_head, row_ok), head_rows(bias_ref, k_head, live)
+            v_bias = head_rows(bias_ref, v_head, live)[0]
         norm = rope_kv.row_rms_scale(x_ref, tok, hidden, eps)  # its load joins those above before any use
         angle = pos.astype(jnp.float32) * freq_ref[col % half]
         cos, sin = jnp.cos(angle), jnp.where(col < half, -jnp.sin(angle), jnp.sin(angle))
-        q_raw, k_raw, v_raw = ([a * norm for a in x] for x in raw)  # the norm-scaled heads
+        q_raw, k_raw, v_raw = [a * norm for a in q_raw], [a * norm for a in k_raw], v_raw * norm
         if has_bias:
-            q_raw, k_raw, v_raw = ([a + b for a, b in zip(x, bx)] for x, bx in zip((q_raw, k_raw, v_raw), bias))
+            q_raw, k_raw = [a + b for a, b in zip(q_raw, q_bias)], [a + b for a, b in zip(k_raw, k_bias)]
+            v_raw = v_raw + v_bias
         if has_norm:
-            q_raw, k_raw = (_head_norm(x, w_ref, col, swapped, eps) for x, w_ref in ((q_raw, qn_ref), (k_raw, kn_ref)))
+            q_raw, k_raw = _head_norm(q_raw, qn_ref, col, swapped, eps), _head_norm(k_raw, kn_ref, col, swapped, eps)
 
         def rotate(a, b):  # rotate-half RoPE
             return a * cos + b * sin
 
         new.update(q=rotate(*q_raw).astype(qkv_ref.dtype), k=rotate(*k_raw).astype(k_ref.dtype),
-                   v=v_raw[0].astype(v_ref.dtype), row_ok=row_ok[:, 0])
+                   v=v_raw.astype(v_ref.dtype), row_ok=row_ok[:, 0])
         return new["q"]
 
     row_pos = jnp.zeros((rows,), jnp.int32) + pos
