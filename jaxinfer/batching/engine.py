@@ -96,8 +96,8 @@ class LLMEngine:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
                              f"max_model_len/page_size={pages_per_seq}")
-        self.runner = ModelRunner(mc, weights, cache, buckets, Ops(**get_kernels(config.attention_backend, mc.head_dim)),
-                                  max_logprobs=config.max_logprobs)
+        ops = Ops(**get_kernels(config.attention_backend, mc.head_dim))
+        self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,
