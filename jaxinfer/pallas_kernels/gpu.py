@@ -90,7 +90,7 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
     RoPE; measured 5.9 -> 5.5 us per 8B batch-1 layer on an H200, while peeling the plain decode
     kernel slowed its 256-sequence step 1%). ``k_ref``/``v_ref`` are the cache viewed
     as ``[layers, pages * page_size, kv_heads, D]`` (a free reshape). A block of one page or part of
-    one (``_plan`` cuts pages when a page of K and V would not fit shared memory: head_dim 256 in
+    one (``_fit`` cuts pages when a page of K and V would not fit shared memory: head_dim 256 in
     float32) is a strided slice; a block of several pages gathers its rows through the page table,
     so the load size per step is independent of the page size.
     Returns (acc, m, l): unnormalized output, running max and running sum per row.
@@ -294,7 +294,8 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
             q_raw, k_raw = [a + b for a, b in zip(q_raw, q_bias)], [a + b for a, b in zip(k_raw, k_bias)]
             v_raw = v_raw + v_bias
         if has_norm:
-            q_raw, k_raw = _head_norm(q_raw, qn_ref, col, swapped, eps), _head_norm(k_raw, kn_ref, col, swapped, eps)
+            q_raw = _head_norm(q_raw, qn_ref, col, swapped, eps)
+            k_raw = _head_norm(k_raw, kn_ref, col, swapped, eps)
 
         def rotate(a, b):  # rotate-half RoPE
             return a * cos + b * sin
@@ -429,7 +430,6 @@ def _combine(md, acc, m, l, out, *, group, num_heads, interpret):
         input_output_aliases={4: 0}, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="paged_decode_combine_gpu",
     )(md.query_start, acc, m, l, out)
-
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
