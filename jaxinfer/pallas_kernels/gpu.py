@@ -197,7 +197,7 @@ def _decode_tokens(qs_ref, s, max_q):
     return q0, q_len, jnp.where((q_len > 0) & (q_len <= max_q), q_len, 0)
 
 
-def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_refs, group, num_heads,
+def _decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_refs, group, num_heads,
                    max_q, rows, blocks_per_split, windowed, **attend_kw):
     """One (sequence, kv head, KV split). With one split, ``out_refs = (out_init, out)`` (aliased) and
     the normalized rows go straight to the output; with several, ``(acc, m, l)`` partials."""
@@ -208,9 +208,9 @@ def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *ou
     row_pos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
 
     kv_hi = jnp.where(ntok > 0, seq_len, 0)
-    window = _window(layer_ref, windowed)
+    window = _window(lw_refs, windowed)
     kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, seq_len - q_len, kv_hi, window, **attend_kw)
-    acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
+    acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, lw_refs[0][0], h, pt_ref, s, blk_lo, blk_hi,
                               kv_lo=kv_lo, kv_hi=kv_hi, window=window, **attend_kw)
     if len(out_refs) == 2:
         _store_rows(out_refs[1], acc, l, q0, ntok, h, group, num_heads, q_ref.shape[0])
@@ -237,7 +237,7 @@ def _combine_kernel(qs_ref, acc_ref, m_ref, l_ref, _, o_ref, *, group, num_heads
         o_ref[(q0 + r // group) * num_heads + h * group + r % group, :] = out.astype(o_ref.dtype)
 
 
-def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x_ref, qkv_ref, *refs,
+def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x_ref, qkv_ref, *refs,
                         num_heads, num_kv_heads, hidden, eps, rows, blocks_per_split, has_bias, has_norm,
                         windowed, **attend_kw):
     """A decode-only step's (sequence, kv head, KV split): the attention norm's scale (plus the
@@ -262,7 +262,7 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
     pos = lens_ref[s] - 1
 
     kv_hi = jnp.where(live, pos, 0)  # the new token itself comes from registers, not the cache
-    window = _window(layer_ref, windowed)
+    window = _window(lw_refs, windowed)
     kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, pos, kv_hi, window, **attend_kw)
     new = {}  # what rope_q computes besides q, for after the attention loop
 
@@ -305,7 +305,7 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
         return new["q"]
 
     row_pos = jnp.zeros((rows,), jnp.int32) + pos
-    acc, m, l = _attend_pages(rope_q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
+    acc, m, l = _attend_pages(rope_q, row_pos, k_ref, v_ref, lw_refs[0][0], h, pt_ref, s, blk_lo, blk_hi,
                               kv_lo=kv_lo, kv_hi=kv_hi, window=window, **attend_kw)
     q, k_new, v_new, row_ok = new["q"], new["k"], new["v"], new["row_ok"]
     # The new token, as one more key of split 0's online softmax.
@@ -323,8 +323,8 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
 
     @pl.when(live & (split == 0) & (slot < k_ref.shape[1]))
     def _():
-        plgpu.store(k_ref.at[layer_ref[0], slot, h, :], k_new[0])
-        plgpu.store(v_ref.at[layer_ref[0], slot, h, :], v_new[0])
+        plgpu.store(k_ref.at[lw_refs[0][0], slot, h, :], k_new[0])
+        plgpu.store(v_ref.at[lw_refs[0][0], slot, h, :], v_new[0])
 
     if len(out_refs) == 2:
         _store_rows(out_refs[1], acc, l, tok, live.astype(jnp.int32), h, group, num_heads, out_refs[1].shape[0])
@@ -335,7 +335,7 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
         l_ref[s, h, split] = l
 
 
-def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
+def _prefill_kernel(lw_refs, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
                     q_ref, k_ref, v_ref, _, o_ref, *, group, num_heads, rows, windowed, **attend_kw):
     b, h = pl.program_id(0), pl.program_id(1)
     block_k = attend_kw["block_k"]
@@ -347,9 +347,9 @@ def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo
         q = _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
         # kv_lo already starts past the window (query_blocks): blocks before it are never loaded.
-        acc, _, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
+        acc, _, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, lw_refs[0][0], h, pt_ref, seq,
                                   kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi,
-                                  window=_window(layer_ref, windowed), **attend_kw)
+                                  window=_window(lw_refs, windowed), **attend_kw)
         _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, q_ref.shape[0])
 
 
@@ -399,18 +399,18 @@ def _decode_plan(md, page_size, num_kv_heads, num_splits, block_k, stages, slidi
 
 
 def _layer_window(layer, sliding_window):
-    """The kernels' first operand, int32: ``[layer]``, or ``[layer, window]`` with a sliding window.
-    The window is read in the kernel as a scalar, static or traced alike (the scanned layer loop
-    passes each layer's), so one compiled kernel serves local and global layers; without a window
-    nothing of it is computed."""
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    if sliding_window is None:
-        return layer
-    return jnp.concatenate([layer, jnp.asarray(sliding_window, jnp.int32).reshape(1)])
+    """The kernels' first operand, a tuple of int32 ``[1]`` arrays: the layer, and the sliding window
+    if there is one. The window is read in the kernel as a scalar, static or traced alike (the scanned
+    layer loop passes each layer's), so one compiled kernel serves local and global layers. Two
+    operands rather than one array of both: joining a traced layer and window would be one more
+    XLA kernel per layer; a reshape is free. Without a window nothing of it is passed or computed."""
+    def operand(v):
+        return jnp.asarray(v, jnp.int32).reshape(1)
+    return (operand(layer),) if sliding_window is None else (operand(layer), operand(sliding_window))
 
 
-def _window(layer_ref, windowed):
-    return layer_ref[1] if windowed else None
+def _window(lw_refs, windowed):
+    return lw_refs[1][0] if windowed else None
 
 
 def _head_norm(x, w_ref, col, swapped, eps):
@@ -493,7 +493,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      blocks_per_split=blocks_per_split, block_k=dec_bk, evict_first=decode_evict_first, **attend_kw)
     if num_splits == 1:
         out = decode(functools.partial(_decode_kernel, **decode_kw), out_shape=out_shape,
-                     input_output_aliases={len(scalars): 0})(*scalars, out)
+                     input_output_aliases={len(jax.tree.leaves(scalars)): 0})(*scalars, out)
     else:
         part = (num_seqs, num_kv_heads, num_splits, dec_rows)
         acc, m, l = decode(
@@ -517,7 +517,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         out = pl.pallas_call(
             functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk,
                               **attend_kw),
-            grid=(blk.seq.shape[0], num_kv_heads), out_shape=out_shape, input_output_aliases={11: 0},
+            grid=(blk.seq.shape[0], num_kv_heads), out_shape=out_shape,
+            input_output_aliases={len(layer_arr) + 10: 0},
             compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
             interpret=interpret,
             name="paged_prefill_gpu",
@@ -561,7 +562,7 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
         args.append(qkv_bias.reshape(-1, head_dim))
     if q_norm is not None:
         args += [q_norm, k_norm]
-    n = len(args)  # the caches follow, aliased to the last two outputs
+    n = len(jax.tree.leaves(args))  # the caches follow, aliased to the last two outputs
     num_rows = num_tokens * num_heads
     out = jnp.zeros((num_rows, head_dim), qkv.dtype)
     if num_splits == 1:
