@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import Ops, moe_partial
-from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, param_spec
+from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, init_dummy_weights, param_spec
 from jaxinfer.paged.kv_cache import KVCache
 
 DP, TP = "dp", "tp"
@@ -88,6 +88,16 @@ def make_mesh(config: ModelConfig, tensor_parallel: int = 1, data_parallel: int 
         raise ValueError(f"data_parallel * tensor_parallel ({data_parallel} * {tensor_parallel}) must equal the "
                          f"device count {n}; valid data_parallel x tensor_parallel: {pairs}")
     return Mesh(np.asarray(devices, dtype=object).reshape(data_parallel, tensor_parallel), (DP, TP))
+
+
+def replica_mesh(config: ModelConfig, tensor_parallel: int, data_parallel: int, replica: int = 0,
+                 devices=None) -> Mesh | None:
+    """Row ``replica`` of ``make_mesh``'s mesh: the ``1 x tensor_parallel`` devices one model replica
+    runs on (None for ``1 x 1``: one device, the unchanged single-device step)."""
+    mesh = make_mesh(config, tensor_parallel, data_parallel, devices)
+    if not 0 <= replica < data_parallel:
+        raise ValueError(f"replica must be in [0, data_parallel={data_parallel}), got {replica}")
+    return None if mesh is None else Mesh(mesh.devices[replica:replica + 1], (DP, TP))
 
 
 def tp_size(mesh: Mesh | None) -> int:
@@ -221,10 +231,15 @@ def abstract_sharded_weights(config: ModelConfig, mesh: Mesh, dtype) -> Weights:
 
 def place_weights(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
     """Checkpoint-layout weights laid out per device and placed in their shards."""
-    tp = mesh.shape[TP]
-    stacked = not isinstance(weights.layers, list)
-    sh = weight_shardings(config, mesh, stacked)
-    return jax.jit(lambda w: shard_layout(w, config, tp), out_shardings=sh)(weights)
+    sh = weight_shardings(config, mesh, not isinstance(weights.layers, list))
+    return jax.jit(lambda w: shard_layout(w, config, mesh.shape[TP]), out_shardings=sh)(weights)
+
+
+def dummy_weights(config: ModelConfig, key: jax.Array, dtype, mesh: Mesh) -> Weights:
+    """``spec.init_dummy_weights`` (the same values) made directly in their shards."""
+    sh = weight_shardings(config, mesh, config.layer_loop == "scan")
+    make = lambda k: shard_layout(init_dummy_weights(config, k, dtype), config, mesh.shape[TP])  # noqa: E731
+    return jax.jit(make, out_shardings=sh)(key)
 
 
 def cache_sharding(mesh: Mesh) -> KVCache:

@@ -21,8 +21,10 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
 from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
 from jaxinfer.models.layers import fold_norm
@@ -100,10 +102,10 @@ def load_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: int = 0,
-               layer_loop: str | None = None) -> tuple[ModelConfig, Weights]:
+               layer_loop: str | None = None, mesh: Mesh | None = None) -> tuple[ModelConfig, Weights]:
     """Resolve ``model`` and return its config and weights, cast to ``dtype`` and arranged for
-    ``layer_loop`` (default: the config's). ``load_format="dummy"`` gives random weights of the
-    right shapes (benchmarks without a checkpoint)."""
+    ``layer_loop`` (default: the config's), split over ``mesh`` if given (``models.sharding``).
+    ``load_format="dummy"`` gives random weights of the right shapes (benchmarks without a checkpoint)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dtype = _float_dtype(dtype)
@@ -112,6 +114,8 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     if layer_loop is not None:
         config = config.replace(layer_loop=layer_loop)
     if load_format == "dummy":
+        if mesh is not None:
+            return config, sharding.dummy_weights(config, jax.random.key(seed), dtype, mesh)
         return config, init_dummy_weights(config, jax.random.key(seed), dtype)
     if source.kind == "preset":
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
@@ -122,7 +126,8 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
         weights = _load_gguf(source.path, config, dtype)
     else:
         weights = _load_hf(source.path, config, dtype)
-    return config, arrange_layers(weights, config)
+    weights = arrange_layers(weights, config)
+    return config, weights if mesh is None else sharding.place_weights(weights, config, mesh)
 
 
 def _float_dtype(dtype) -> np.dtype:
