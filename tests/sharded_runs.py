@@ -1,0 +1,93 @@
+"""Sharded runs on forced host devices, printed as one JSON object (run by test_sharding.py).
+
+XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
+these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
+``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
+SmolLM2) or ``collectives:MODEL:TP`` (one step's logits and compiled collectives).
+"""
+
+import os
+import re
+import sys
+
+NUM_DEVICES, RUNS = int(sys.argv[1]), sys.argv[2:]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxinfer.llm import LLM  # noqa: E402
+from jaxinfer.models import sharding  # noqa: E402
+from jaxinfer.models.config import PRESETS  # noqa: E402
+from jaxinfer.models.decoder import forward  # noqa: E402
+from jaxinfer.models.layers import Ops  # noqa: E402
+from jaxinfer.models.spec import init_dummy_weights  # noqa: E402
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+
+# Two prompts of different lengths: one prefill step of both, then decode steps (one bucket each).
+PROMPTS = [[1, 5, 9, 13, 200], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SMALL = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, token_buckets=(32,), seq_buckets=(2,),
+             page_buckets=(8,))
+
+
+def run(model: str, tp: int, dp: int = 1, **options) -> dict:
+    llm = LLM(model, tensor_parallel=tp, data_parallel=dp, **SMALL, **options)
+    llm.warmup(greedy_only=True)
+    compiled = llm.engine.num_compilations
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    out = dict(tokens=tokens, compilations_after_warmup=llm.engine.num_compilations - compiled)
+    engines = getattr(llm.engine, "replicas", [llm.engine])
+    per_device = sharding.per_device_bytes([e.runner.weights for e in engines])
+    out["param_bytes_per_device"] = sorted(set(per_device.values()))
+    out["kv_heads_per_device"] = sorted({s.data.shape[3] for e in engines for s in e.runner.cache.k.addressable_shards})
+    return out
+
+
+def collectives(config, tp: int, bias: bool) -> dict:
+    """One sharded prefill step on random weights (non-zero Q/K/V biases where the family has them):
+    its logits against one device's, and the collectives in its compiled HLO."""
+    w = init_dummy_weights(config, jax.random.key(1))
+    if bias:
+        w.layers["qkv_bias"] = jax.random.normal(jax.random.key(2), w.layers["qkv_bias"].shape)
+    t = 12
+    tokens = jnp.arange(t, dtype=jnp.int32) * 37 % config.vocab_size
+    md = BatchMetadata(jnp.arange(t, dtype=jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t], jnp.int32),
+                       jnp.array([0, t], jnp.int32), jnp.arange(t, dtype=jnp.int32))
+    positions = jnp.arange(t, dtype=jnp.int32)
+    cache = KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim)
+    ref = jax.jit(lambda w, c: forward(w, tokens, positions, c, md, config)[0])(w, cache)
+    mesh = sharding.make_mesh(config, tp, NUM_DEVICES // tp)
+    ops = sharding.sharded_ops(Ops(), config, mesh)
+    step = jax.jit(lambda w, c: forward(w, tokens, positions, c, md, config, ops)[0])
+    ws, cs = sharding.place_weights(w, config, mesh), sharding.zeros_cache(config, mesh, 1, 16, jnp.float32)
+    got = step(ws, cs)
+    hlo = step.lower(ws, cs).compile().as_text()
+    gathers = [int(np.prod([int(d) for d in m.split(",") if d] or [1]))
+               for m in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+    return dict(max_abs_diff=float(jnp.max(jnp.abs(got - ref))), logits_spec=str(got.sharding.spec),
+                all_reduces=len(re.findall(r" all-reduce(?:-start)?\(", hlo)), all_gather_sizes=gathers)
+
+
+def main():
+    results = {}
+    for spec in RUNS:
+        kind, *rest = spec.split(":")
+        if kind == "collectives":
+            model, tp = rest
+            config = PRESETS[model]
+            results[spec] = collectives(config, int(tp), bias=config.qkv_bias)
+        else:
+            tp, dp = map(int, rest)
+            options = {} if kind == "smollm2-135m" else dict(load_format="dummy", seed=3)
+            results[spec] = run(kind, tp, dp, **options)
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
