@@ -3,7 +3,9 @@
 XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
 these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
 ``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
-SmolLM2) or ``collectives:MODEL:TP`` (one step's logits and compiled collectives).
+SmolLM2), ``collectives:MODEL:TP`` (one step's logits and compiled collectives) or ``load:MODEL:TP``
+(the checkpoint loaded straight into shards, and restored from orbax into shards, against the
+one-device load laid out afterwards).
 """
 
 import os
@@ -74,6 +76,26 @@ def collectives(config, tp: int, bias: bool) -> dict:
                 all_reduces=len(re.findall(r" all-reduce(?:-start)?\(", hlo)), all_gather_sizes=gathers)
 
 
+def load(model: str, tp: int) -> dict:
+    import tempfile
+
+    from jaxinfer.models.weights import load_config, load_model, resolve_model, save_converted
+
+    mesh = sharding.make_mesh(load_config(resolve_model(model)), tp, NUM_DEVICES // tp)
+    config, whole = load_model(model)
+    want = sharding.place_weights(whole, config, mesh)
+
+    def same(got):
+        return all(jax.tree.leaves(jax.tree.map(
+            lambda a, b: a.sharding == b.sharding and bool((np.asarray(a) == np.asarray(b)).all()), want, got)))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_converted(whole, config, tmp)
+        restored = load_model(tmp, mesh=mesh)[1]
+    return dict(direct=same(load_model(model, mesh=mesh)[1]), orbax=same(restored),
+                wqkv_spec=str(want.layers["wqkv"].sharding.spec))
+
+
 def main():
     results = {}
     for spec in RUNS:
@@ -82,6 +104,8 @@ def main():
             model, tp = rest
             config = PRESETS[model]
             results[spec] = collectives(config, int(tp), bias=config.qkv_bias)
+        elif kind == "load":
+            results[spec] = load(rest[0], int(rest[1]))
         else:
             tp, dp = map(int, rest)
             options = {} if kind == "smollm2-135m" else dict(load_format="dummy", seed=3)

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Device count -> runs (see sharded_runs.py). Every model's one-device tokens come from the 2-device process.
 RUNS = {
     2: ["tiny-gqa8:1:1", "tiny-qwen2:1:1", "tiny-qwen2-moe:1:1", "tiny-gqa8:2:1"],
-    3: ["smollm2-135m:1:1", "smollm2-135m:3:1"],
+    3: ["smollm2-135m:1:1", "smollm2-135m:3:1", "load:smollm2-135m:3"],
     4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4"],
     8: ["tiny-gqa8:8:1", "tiny-gqa8:4:2", "tiny-qwen2-moe:8:1", "collectives:tiny-qwen2-moe:8"],
 }
@@ -82,6 +82,13 @@ def test_step_collectives(results, run):
     assert r["logits_spec"] == "P(None, 'tp')"
     assert r["all_reduces"] == 3
     assert r["all_gather_sizes"] == []
+
+
+def test_checkpoints_load_straight_into_shards(results):
+    """GGUF tensors placed slice by slice, and an orbax checkpoint restored into shards, give the
+    same arrays with the same shardings as the whole model loaded on one device and then split."""
+    r = results["load:smollm2-135m:3"]
+    assert r == dict(direct=True, orbax=True, wqkv_spec="P(None, 'tp', None)")
 
 
 def test_mesh_errors_name_the_valid_sizes():

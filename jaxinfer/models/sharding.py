@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import Ops, moe_partial
-from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, init_dummy_weights, param_spec
+from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, arrange_layers, init_dummy_weights, param_spec
 from jaxinfer.paged.kv_cache import KVCache
 
 DP, TP = "dp", "tp"
@@ -147,22 +147,20 @@ class Layout:
     rows: np.ndarray | None
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
+    fused_axis: int | None = None  # the axis ``rows`` index
 
 
+@functools.lru_cache(maxsize=8)
 def layouts(config: ModelConfig, tp: int) -> tuple[dict[str, Layout], dict[str, Layout]]:
     """(globals, one layer's leaves) -> their ``Layout`` (shapes without the stacked layers axis)."""
     spec: ModelSpec = param_spec(config)
 
     def one(name: str, s: ParamSpec) -> Layout:
-        rows = None
-        shape = s.shape
-        axes = _mesh_axes(name, s, shape, tp)
-        if s.fused is not None and tp > 1:
-            fused_axis = _fused_axis(s)
-            if axes[fused_axis] == TP:
-                rows = _fused_rows(config, s, tp)
-                shape = shape[:fused_axis] + (len(rows),) + shape[fused_axis + 1:]
-        return Layout(rows, shape, axes)
+        axes = _mesh_axes(name, s, s.shape, tp)
+        if s.fused is None or tp == 1 or axes[_fused_axis(s)] != TP:
+            return Layout(None, s.shape, axes)
+        i, rows = _fused_axis(s), _fused_rows(config, s, tp)
+        return Layout(rows, s.shape[:i] + (len(rows),) + s.shape[i + 1:], axes, i)
 
     return ({n: one(n, s) for n, s in spec.globals.items()}, {n: one(n, s) for n, s in spec.layer.items()})
 
@@ -187,15 +185,14 @@ def shard_layout(weights: Weights, config: ModelConfig, tp: int) -> Weights:
     """``weights`` (checkpoint layout; numpy or jax leaves) with fused leaves reordered per device."""
     if tp == 1:
         return weights
-    spec = param_spec(config)
     _, lay = layouts(config, tp)
 
     def layer(name, a, stacked):
-        rows = lay[name].rows
-        if rows is None:
+        lo = lay[name]
+        if lo.rows is None:
             return a
         xp = np if isinstance(a, np.ndarray) else jnp
-        return xp.take(a, rows, axis=_fused_axis(spec.layer[name]) + int(stacked))
+        return xp.take(a, lo.rows, axis=lo.fused_axis + int(stacked))
 
     return _map_leaves(weights, lambda n, a: a, layer)
 
@@ -233,6 +230,34 @@ def place_weights(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
     """Checkpoint-layout weights laid out per device and placed in their shards."""
     sh = weight_shardings(config, mesh, not isinstance(weights.layers, list))
     return jax.jit(lambda w: shard_layout(w, config, mesh.shape[TP]), out_shardings=sh)(weights)
+
+
+def place_host_leaf(name: str, array: np.ndarray, config: ModelConfig, mesh: Mesh, is_global: bool) -> jax.Array:
+    """One leaf (a global, or one layer's) from host memory straight into its shards: each device
+    receives only its slice (``jax.make_array_from_callback``), laid out per device."""
+    glob, lay = layouts(config, mesh.shape[TP])
+    lo = (glob if is_global else lay)[name]
+    if lo.rows is not None:
+        array = np.take(array, lo.rows, axis=lo.fused_axis)
+    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P(*lo.axes)), lambda idx: array[idx])
+
+
+def stack_layers(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
+    """Placed per-layer weights stacked for the scanned loop, staying in their shards."""
+    return jax.jit(lambda w: arrange_layers(w, config), out_shardings=weight_shardings(config, mesh, True))(weights)
+
+
+def checkpoint_shardings(config: ModelConfig, mesh: Mesh, stacked: bool) -> Weights:
+    """Shardings of the checkpoint's own (not per-device) layout, for restoring a saved checkpoint
+    split over the mesh before ``place_weights`` lays it out (fused leaves split where they divide)."""
+    tp = mesh.shape[TP]
+    spec = param_spec(config)
+    ns = lambda name, s: NamedSharding(mesh, P(*(((None,) if stacked and name in spec.layer else ())  # noqa: E731
+                                                + _mesh_axes(name, s, s.shape, tp))))
+    layer = {n: ns(n, s) for n, s in spec.layer.items()}
+    return Weights(embed=ns("embed", spec.globals["embed"]), layers=layer if stacked else [layer] * config.num_layers,
+                   final_norm=ns("final_norm", spec.globals["final_norm"]),
+                   lm_head=ns("lm_head", spec.globals["lm_head"]) if "lm_head" in spec.globals else None)
 
 
 def dummy_weights(config: ModelConfig, key: jax.Array, dtype, mesh: Mesh) -> Weights:
