@@ -5,7 +5,8 @@ these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``,
 ``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
 SmolLM2), ``collectives:MODEL:TP`` (one step's logits and compiled collectives) or ``load:MODEL:TP``
 (the checkpoint loaded straight into shards, and restored from orbax into shards, against the
-one-device load laid out afterwards).
+one-device load laid out afterwards). ``multihost:MODEL:TP:PORT:PROCESSES:ID`` joins a multi-process
+run on localhost first (``batching.multihost``): process 0 generates, the others follow.
 """
 
 import os
@@ -98,6 +99,22 @@ def load(model: str, tp: int) -> dict:
 
 def main():
     results = {}
+    if RUNS[0].startswith("multihost:"):
+        from jaxinfer.batching.multihost import initialize
+
+        model, tp, port, processes, pid = RUNS[0].split(":")[1:]
+        initialize(f"127.0.0.1:{port}", int(processes), int(pid))
+        if int(pid):
+            from jaxinfer.batching.config import EngineConfig
+            from jaxinfer.batching.engine import LLMEngine
+
+            config = EngineConfig(tensor_parallel=int(tp), load_format="dummy", seed=3, **SMALL)
+            LLMEngine(model, config).runner.follow()
+            return
+        results[RUNS[0]] = run(model, int(tp), 1, load_format="dummy", seed=3)
+        results[RUNS[0]]["devices"] = [jax.device_count(), jax.local_device_count()]
+        print("RESULT " + json.dumps(results), flush=True)
+        return
     for spec in RUNS:
         kind, *rest = spec.split(":")
         if kind == "collectives":

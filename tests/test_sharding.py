@@ -8,6 +8,7 @@ The runs need several XLA host devices, fixed when JAX starts, so each device co
 import concurrent.futures
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -28,21 +29,39 @@ RUNS = {
 }
 
 
-def _run(devices: int, runs: list[str]) -> dict:
+def _start(devices: int, runs: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_runs.py"), str(devices), *runs],
-                          capture_output=True, text=True, env=env, timeout=900)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_runs.py"), str(devices), *runs],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=900)
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, err[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _multihost() -> dict:
+    """Two processes of 4 host devices each on localhost (gloo), one tensor-parallel-8 engine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [_start(4, [f"multihost:tiny-gqa8:8:{port}:2:{i}"]) for i in (1, 0)]
+    follower, leader = procs
+    result = _result(leader)
+    follower.communicate(timeout=120)
+    assert follower.returncode == 0
+    return {"multihost": result[f"multihost:tiny-gqa8:8:{port}:2:0"]}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    with concurrent.futures.ThreadPoolExecutor(len(RUNS)) as pool:
-        parts = list(pool.map(lambda item: _run(*item), RUNS.items()))
-    return {k: v for part in parts for k, v in part.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(RUNS) + 1) as pool:
+        parts = [pool.submit(lambda item=item: _result(_start(*item))) for item in RUNS.items()]
+        parts.append(pool.submit(_multihost))
+        return {k: v for part in parts for k, v in part.result().items()}
 
 
 @pytest.mark.parametrize("run", ["smollm2-135m:3:1", "tiny-gqa8:2:1", "tiny-gqa8:4:1", "tiny-gqa8:8:1",
@@ -82,6 +101,15 @@ def test_step_collectives(results, run):
     assert r["logits_spec"] == "P(None, 'tp')"
     assert r["all_reduces"] == 3
     assert r["all_gather_sizes"] == []
+
+
+def test_two_processes_match_one_device(results):
+    """JAX's multi-controller run: process 0 schedules and broadcasts each step's inputs, both run
+    it over the 8 devices of the two processes (``batching.multihost``)."""
+    r = results["multihost"]
+    assert r["devices"] == [8, 4]
+    assert r["tokens"] == results["tiny-gqa8:1:1"]["tokens"]
+    assert r["compilations_after_warmup"] == 0
 
 
 def test_checkpoints_load_straight_into_shards(results):

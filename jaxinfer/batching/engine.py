@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.batching import multihost
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, powers_of_two
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
@@ -75,6 +76,9 @@ class LLMEngine:
         self.source = resolve_model(model)
         self.mesh = sharding.replica_mesh(load_config(self.source), config.tensor_parallel, config.data_parallel,
                                           replica)
+        if multihost.active() and (config.data_parallel > 1 or config.preemption_mode == "swap"):
+            raise ValueError("over several processes, data_parallel must be 1 and preemption_mode 'recompute' "
+                             "(replicas and swapped pages stay within one process)")
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format,
                                                 seed=config.seed, layer_loop=layer_loop, mesh=self.mesh)
@@ -133,12 +137,16 @@ class LLMEngine:
         mc, tp = self.model_config, sharding.tp_size(self.mesh)
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, sharding.kv_heads(mc, tp) // tp,
                                           mc.head_dim, dtype)
-        devices = jax.devices()[:1] if self.mesh is None else self.mesh.devices.ravel()
+        devices = jax.devices()[:1] if self.mesh is None else self.mesh.local_devices
         stats = [d.memory_stats() for d in devices] if jax.default_backend() != "cpu" else []
         if stats and all(s and "bytes_limit" in s for s in stats):
             free = min(s["bytes_limit"] * self.config.kv_cache_memory_fraction - s.get("bytes_in_use", 0)
                        for s in stats)
-            return max(1, int(free // per_page))
+            pages = max(1, int(free // per_page))
+            if multihost.active():  # every process must build the same pool: the smallest fits all
+                from jax.experimental import multihost_utils
+                pages = int(np.min(multihost_utils.process_allgather(np.int64(pages))))
+            return pages
         want = self.config.max_num_seqs * pages_per_seq
         return max(pages_per_seq, min(want, int(self.config.cpu_kv_cache_gib * 2**30 // per_page)))
 
