@@ -78,3 +78,11 @@ def stop_followers_at_exit() -> None:
 def local_view(tree):
     """Process 0's own copy of replicated step results (a multi-process array is not readable whole)."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def follow(model: str, config) -> None:
+    """A follower process's whole job: build the engine process 0 builds (``config``: its
+    ``EngineConfig``) and run the steps it sends."""
+    from jaxinfer.batching.engine import LLMEngine
+
+    LLMEngine(model, config).runner.follow()
