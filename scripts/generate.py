@@ -2,7 +2,7 @@
 
     python scripts/generate.py --prompt "The capital of France is" --max_tokens 32 --temperature 0
     python scripts/generate.py --chat "Write a haiku about the sea."
-    python scripts/generate.py --model llama3-8b --load_format dummy --tensor_parallel 2 --prompt "Hi"
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 python scripts/generate.py --tensor_parallel 3 --prompt "Hi"
 """
 
 from __future__ import annotations

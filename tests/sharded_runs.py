@@ -3,7 +3,7 @@
 XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
 these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
 ``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
-SmolLM2), ``collectives:MODEL:TP`` (one step's logits and compiled collectives) or ``load:MODEL:TP``
+SmolLM2), ``collectives:MODEL:TP[:BACKEND]`` (one step's logits and compiled collectives) or ``load:MODEL:TP``
 (the checkpoint loaded straight into shards, and restored from orbax into shards, against the
 one-device load laid out afterwards). ``multihost:MODEL:TP:PORT:PROCESSES:ID`` joins a multi-process
 run on localhost first (``batching.multihost``): process 0 generates, the others follow.
@@ -48,13 +48,17 @@ def run(model: str, tp: int, dp: int = 1, **options) -> dict:
     engines = getattr(llm.engine, "replicas", [llm.engine])
     per_device = sharding.per_device_bytes([e.runner.weights for e in engines])
     out["param_bytes_per_device"] = sorted(set(per_device.values()))
+    out["generation_tokens_per_replica"] = [e.stats()["generation_tokens"] for e in engines]
     out["kv_heads_per_device"] = sorted({s.data.shape[3] for e in engines for s in e.runner.cache.k.addressable_shards})
     return out
 
 
-def collectives(config, tp: int, bias: bool) -> dict:
-    """One sharded prefill step on random weights (non-zero Q/K/V biases where the family has them):
-    its logits against one device's, and the collectives in its compiled HLO."""
+def collectives(config, tp: int, bias: bool, backend: str = "reference") -> dict:
+    """One sharded prefill step on random weights (non-zero Q/K/V biases where the family has them),
+    attention by ``backend`` per device: its logits against one device's reference step, and the
+    collectives in its compiled HLO."""
+    from jaxinfer.pallas_kernels import get_kernels
+
     w = init_dummy_weights(config, jax.random.key(1))
     if bias:
         w.layers["qkv_bias"] = jax.random.normal(jax.random.key(2), w.layers["qkv_bias"].shape)
@@ -66,7 +70,7 @@ def collectives(config, tp: int, bias: bool) -> dict:
     cache = KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim)
     ref = jax.jit(lambda w, c: forward(w, tokens, positions, c, md, config)[0])(w, cache)
     mesh = sharding.make_mesh(config, tp, NUM_DEVICES // tp)
-    ops = sharding.sharded_ops(Ops(), config, mesh)
+    ops = sharding.sharded_ops(Ops(**get_kernels(backend)), config, mesh)
     step = jax.jit(lambda w, c: forward(w, tokens, positions, c, md, config, ops)[0])
     ws, cs = sharding.place_weights(w, config, mesh), sharding.zeros_cache(config, mesh, 1, 16, jnp.float32)
     got = step(ws, cs)
@@ -118,9 +122,9 @@ def main():
     for spec in RUNS:
         kind, *rest = spec.split(":")
         if kind == "collectives":
-            model, tp = rest
+            model, tp, *backend = rest
             config = PRESETS[model]
-            results[spec] = collectives(config, int(tp), bias=config.qkv_bias)
+            results[spec] = collectives(config, int(tp), config.qkv_bias, *backend)
         elif kind == "load":
             results[spec] = load(rest[0], int(rest[1]))
         else:

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {
     2: ["tiny-gqa8:1:1", "tiny-qwen2:1:1", "tiny-qwen2-moe:1:1", "tiny-gqa8:2:1"],
     3: ["smollm2-135m:1:1", "smollm2-135m:3:1", "load:smollm2-135m:3"],
-    4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4"],
+    4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4", "collectives:tiny-gqa8:4:interpret"],
     8: ["tiny-gqa8:8:1", "tiny-gqa8:4:2", "tiny-qwen2-moe:8:1", "collectives:tiny-qwen2-moe:8"],
 }
 
@@ -72,6 +72,9 @@ def test_sharded_greedy_matches_one_device(results, run):
     assert len(set(map(tuple, one["tokens"]))) == 2  # the prompts differ, and so do their outputs
     assert got["tokens"] == one["tokens"]
     assert got["compilations_after_warmup"] == 0
+    dp = int(run.split(":")[2])
+    assert len(got["generation_tokens_per_replica"]) == dp
+    assert all(n > 0 for n in got["generation_tokens_per_replica"])  # every replica served a request
 
 
 @pytest.mark.parametrize("run", ["smollm2-135m:3:1", "tiny-gqa8:2:1", "tiny-gqa8:4:1", "tiny-gqa8:8:1",
@@ -91,11 +94,13 @@ def test_kv_cache_split_by_kv_head(results, run, kv_heads):
     assert results[run]["kv_heads_per_device"] == [kv_heads]
 
 
-@pytest.mark.parametrize("run", ["collectives:tiny-qwen2:4", "collectives:tiny-qwen2-moe:8"])
+@pytest.mark.parametrize("run", ["collectives:tiny-qwen2:4", "collectives:tiny-qwen2-moe:8",
+                                 "collectives:tiny-gqa8:4:interpret"])
 def test_step_collectives(results, run):
     """Random weights with non-zero Q/K/V biases: the sharded step's logits (vocabulary-sharded) match
     one device's; its HLO all-reduces (embedding, then attention output and MLP/experts in the scanned
-    layer body) and gathers no weights."""
+    layer body) and gathers no weights. The Pallas (TPU, interpreted) kernel runs per device on its
+    heads, KV heads repeated."""
     r = results[run]
     assert r["max_abs_diff"] < 1e-4
     assert r["logits_spec"] == "P(None, 'tp')"

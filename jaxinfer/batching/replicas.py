@@ -73,6 +73,8 @@ class ReplicatedEngine:
         return sum(e.num_compilations for e in self.replicas)
 
     def stats(self) -> dict:
-        """Counts summed over the replicas; ratios and the rest are each replica's (``replicas``)."""
+        """``LLMEngine.stats``' keys: counts summed over the replicas, ratios averaged; each replica's
+        own under ``replicas``."""
         per = [e.stats() for e in self.replicas]
-        return {k: sum(s[k] for s in per) for k in _SUMMED} | {"replicas": per}
+        return {k: (sum(s[k] for s in per) if k in _SUMMED else sum(s[k] for s in per) / len(per))
+                for k in per[0]} | {"replicas": per}
