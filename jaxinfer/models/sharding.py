@@ -112,8 +112,8 @@ def kv_heads(config: ModelConfig, tp: int) -> int:
 # ------------------------------------------------------------------------------ weight layout
 
 def _fused_rows(config: ModelConfig, s: ParamSpec, tp: int) -> np.ndarray:
-    """Source rows of a fused leaf's first named axis, in per-device order (KV heads repeated
-    where ``tp`` exceeds them)."""
+    """Source rows along a fused leaf's fused axis, in per-device order (KV heads repeated where
+    ``tp`` exceeds them)."""
     parts = dict(s.fused)
     if "q" in parts:
         hd, h, kvh = config.head_dim, config.num_heads, config.num_kv_heads
@@ -166,7 +166,8 @@ def layouts(config: ModelConfig, tp: int) -> tuple[dict[str, Layout], dict[str, 
 
 
 def _map_leaves(weights: Weights, fn_global, fn_layer) -> Weights:
-    """``weights`` with each leaf replaced by ``fn_*(name, leaf, stacked)``."""
+    """``weights`` with each global replaced by ``fn_global(name, leaf)`` and each layer leaf by
+    ``fn_layer(name, leaf, stacked)``."""
     stacked = not isinstance(weights.layers, list)
     layers = ({n: fn_layer(n, a, True) for n, a in weights.layers.items()} if stacked
               else [{n: fn_layer(n, a, False) for n, a in lw.items()} for lw in weights.layers])
@@ -176,9 +177,9 @@ def _map_leaves(weights: Weights, fn_global, fn_layer) -> Weights:
 
 
 def _fused_axis(s: ParamSpec) -> int:
-    """The axis a fused leaf's parts lie along: the one as long as the parts together (an expert
-    stack's gate|up is along ``mlp``, after ``experts``)."""
-    return s.shape.index(sum(n for _, n in s.fused))
+    """The axis a fused leaf's parts lie along (an expert stack's gate|up is along ``mlp``, after
+    ``experts``)."""
+    return next(i for i, a in enumerate(s.axes) if a in ("qkv", "mlp"))
 
 
 def shard_layout(weights: Weights, config: ModelConfig, tp: int) -> Weights:
