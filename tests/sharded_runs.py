@@ -3,7 +3,8 @@
 XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
 these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
 ``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
-SmolLM2), ``collectives:MODEL:TP[:BACKEND]`` (one step's logits and compiled collectives) or ``load:MODEL:TP``
+SmolLM2), ``collectives:MODEL:TP[:BACKEND]`` (a prefill and a decode step's logits, the prefill's compiled
+collectives; on one device ``collectives:MODEL:1:pallas_gpu`` checks the GPU kernels per device) or ``load:MODEL:TP``
 (the checkpoint loaded straight into shards, and restored from orbax into shards, against the
 one-device load laid out afterwards). ``multihost:MODEL:TP:PORT:PROCESSES:ID`` joins a multi-process
 run on localhost first (``batching.multihost``): process 0 generates, the others follow.
@@ -22,6 +23,7 @@ import json  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.models import sharding  # noqa: E402
@@ -64,20 +66,32 @@ def collectives(config, tp: int, bias: bool, backend: str = "reference") -> dict
         w.layers["qkv_bias"] = jax.random.normal(jax.random.key(2), w.layers["qkv_bias"].shape)
     t = 12
     tokens = jnp.arange(t, dtype=jnp.int32) * 37 % config.vocab_size
-    md = BatchMetadata(jnp.arange(t, dtype=jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t], jnp.int32),
-                       jnp.array([0, t], jnp.int32), jnp.arange(t, dtype=jnp.int32))
-    positions = jnp.arange(t, dtype=jnp.int32)
-    cache = KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim)
-    ref = jax.jit(lambda w, c: forward(w, tokens, positions, c, md, config)[0])(w, cache)
-    mesh = sharding.make_mesh(config, tp, NUM_DEVICES // tp)
+    prefill = BatchMetadata(jnp.arange(t, dtype=jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t], jnp.int32),
+                            jnp.array([0, t], jnp.int32), jnp.arange(t, dtype=jnp.int32))
+    # Then one decode-only step (a backend's fused decode kernel where it has one) at position t.
+    decode = BatchMetadata(jnp.array([t], jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t + 1], jnp.int32),
+                           jnp.array([0, 1], jnp.int32), jnp.zeros(1, jnp.int32), decode_only=True)
+    steps = [(tokens, jnp.arange(t, dtype=jnp.int32), prefill), (tokens[:1], jnp.array([t], jnp.int32), decode)]
+    # One device: a mesh of it, so that the per-device ops (shard_map) run even there.
+    mesh = sharding.make_mesh(config, tp, NUM_DEVICES // tp) or Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),
+                                                                    (sharding.DP, sharding.TP))
+
+    def run_steps(weights, cache, ops):
+        fn = jax.jit(lambda w, c, x, p, md: forward(w, x, p, c, md, config, ops))
+        logits = []
+        for x, p, md in steps:
+            out, cache = fn(weights, cache, x, p, md)
+            logits.append(out)
+        return logits, fn.lower(weights, cache, *steps[0]).compile().as_text()
+
+    ref, _ = run_steps(w, KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim), Ops())
     ops = sharding.sharded_ops(Ops(**get_kernels(backend)), config, mesh)
-    step = jax.jit(lambda w, c: forward(w, tokens, positions, c, md, config, ops)[0])
-    ws, cs = sharding.place_weights(w, config, mesh), sharding.zeros_cache(config, mesh, 1, 16, jnp.float32)
-    got = step(ws, cs)
-    hlo = step.lower(ws, cs).compile().as_text()
+    got, hlo = run_steps(sharding.place_weights(w, config, mesh),
+                         sharding.zeros_cache(config, mesh, 1, 16, jnp.float32), ops)
     gathers = [int(np.prod([int(d) for d in m.split(",") if d] or [1]))
                for m in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
-    return dict(max_abs_diff=float(jnp.max(jnp.abs(got - ref))), logits_spec=str(got.sharding.spec),
+    return dict(max_abs_diff=max(float(jnp.max(jnp.abs(g - r))) for g, r in zip(got, ref)),
+                logits_spec=str(got[0].sharding.spec),
                 all_reduces=len(re.findall(r" all-reduce(?:-start)?\(", hlo)), all_gather_sizes=gathers)
 
 
