@@ -18,9 +18,9 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batching import multihost
 from jaxinfer.batching.scheduler import ScheduledBatch
+from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
-from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
@@ -116,10 +116,6 @@ class ModelRunner:
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
         # the next step reads its decode inputs from here instead of waiting for the host.
         self.last_tokens = jnp.zeros(buckets.seqs[-1], jnp.int32)
-        # XLA's rematerialization pass budgets temporaries against device memory minus the step's
-        # inputs; with the KV pool sized to fill memory it saw no room and recomputed the QKV
-        # matmul three times per layer (8B batch-1 step on an H200: 5.73 -> 4.71 ms without it).
-        # The pool already leaves `1 - kv_cache_memory_fraction` of memory for temporaries.
         # Over a mesh (``models.sharding``) the step takes its inputs' shardings (weights and cache
         # as placed, the rest replicated; jit refuses in_shardings with the static keyword flags) and
         # pins its outputs': the cache comes back as it went in, so the next step finds it as
@@ -134,6 +130,10 @@ class ModelRunner:
         self._multihost = mesh is not None and multihost.active()
         if self._multihost and multihost.is_leader():
             multihost.stop_followers_at_exit()
+        # XLA's rematerialization pass budgets temporaries against device memory minus the step's
+        # inputs; with the KV pool sized to fill memory it saw no room and recomputed the QKV
+        # matmul three times per layer (8B batch-1 step on an H200: 5.73 -> 4.71 ms without it).
+        # The pool already leaves `1 - kv_cache_memory_fraction` of memory for temporaries.
         self._step = jax.jit(self._step_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
                              donate_argnums=(1,), compiler_options={"xla_disable_hlo_passes": "rematerialization"},
                              **step_shardings)
