@@ -53,7 +53,7 @@ log = logging.getLogger("benchmark")
 def make_llm(**options):
     from jaxinfer import LLM
     return LLM(F.model, load_format=F.load_format, dtype=F.dtype, compilation_cache_dir=F.compilation_cache_dir,
-               **options)
+               **model_flags.parallel_options(), **options)
 
 
 def random_prompts(rng, n, lengths, vocab):

@@ -2,6 +2,7 @@
 
     python scripts/serve.py                               # smollm2-135m on 127.0.0.1:8000
     python scripts/serve.py --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
+    python scripts/serve.py --model /path/to/llama-70b --tensor_parallel 8      # one host, 8 devices
 
 The defaults are sized for a small CPU: every step shape is compiled before /health answers 200,
 so fewer, coarser buckets mean a shorter warm-up (at some padding cost per step).
@@ -58,7 +59,7 @@ def main(argv):
     import uvicorn
 
     from jaxinfer.batching.config import EngineConfig
-    from jaxinfer.batching.engine import LLMEngine
+    from jaxinfer.batching.replicas import create_engine
     from jaxinfer.server import AsyncEngine, create_app
 
     pages_per_seq = -(-F.max_model_len // F.page_size)
@@ -69,14 +70,17 @@ def main(argv):
         enable_prefix_caching=F.enable_prefix_caching, compilation_cache_dir=F.compilation_cache_dir,
         token_buckets=coarse_buckets(F.token_buckets, 16, F.max_num_batched_tokens),
         seq_buckets=coarse_buckets(F.seq_buckets, 4, F.max_num_seqs),
-        page_buckets=coarse_buckets(F.page_buckets, 16, pages_per_seq))
+        page_buckets=coarse_buckets(F.page_buckets, 16, pages_per_seq), **model_flags.parallel_options())
+    if model_flags.init_distributed():  # not process 0: run the steps it sends
+        from jaxinfer.batching.multihost import follow
+        return follow(F.model, config)
     failed = []
 
     def on_fatal(error: BaseException) -> None:
         failed.append(error)
         server.should_exit = True
 
-    engine = AsyncEngine(lambda: LLMEngine(F.model, config), max_waiting=F.max_waiting, on_fatal=on_fatal)
+    engine = AsyncEngine(lambda: create_engine(F.model, config), max_waiting=F.max_waiting, on_fatal=on_fatal)
     fastapi_app = create_app(engine, served_model_name=F.served_model_name or F.model, api_key=F.api_key,
                              max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout)
 

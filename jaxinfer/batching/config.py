@@ -30,6 +30,9 @@ class EngineConfig:
       (default: powers of two up to the limits).
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
     - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere (fast compiles).
+    - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in
+      ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
+      must be the device count (checked against the model when the engine is built).
     """
 
     page_size: int = 16
@@ -53,12 +56,14 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
+    tensor_parallel: int = 1
+    data_parallel: int = 1
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel", "data_parallel"):
             _positive(name, getattr(self, name))
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:
