@@ -39,6 +39,7 @@ flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: 16,
 flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request body accepted (else 413).")
 flags.DEFINE_float("shutdown_timeout", 30.0, "On SIGTERM, seconds running requests may take to finish before "
                    "they are aborted.")
+flags.DEFINE_float("timeout_keep_alive", 75.0, "Seconds an idle kept-alive HTTP connection stays open.")
 F = flags.FLAGS
 
 
@@ -58,7 +59,6 @@ def main(argv):
     import uvicorn
 
     from jaxinfer.batching.config import EngineConfig
-    from jaxinfer.batching.engine import LLMEngine
     from jaxinfer.server import AsyncEngine, create_app
 
     pages_per_seq = -(-F.max_model_len // F.page_size)
@@ -76,7 +76,7 @@ def main(argv):
         failed.append(error)
         server.should_exit = True
 
-    engine = AsyncEngine(lambda: LLMEngine(F.model, config), max_waiting=F.max_waiting, on_fatal=on_fatal)
+    engine = AsyncEngine(F.model, config, max_waiting=F.max_waiting, on_fatal=on_fatal)
     fastapi_app = create_app(engine, served_model_name=F.served_model_name or F.model, api_key=F.api_key,
                              max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout)
 
@@ -85,8 +85,12 @@ def main(argv):
             engine.draining = True  # refuse new requests at once; running ones get shutdown_timeout
             super().handle_exit(sig, frame)
 
+    # timeout_keep_alive: uvicorn's default of 5 s closes an idle kept-alive connection while a busy
+    # client may just be sending its next request on it, which the client sees as a ReadError; 75 s
+    # outlives the idle time of any pooling client under load (and matches vLLM's TIMEOUT_KEEP_ALIVE).
     server = Server(uvicorn.Config(fastapi_app, host=F.host, port=F.port, log_level="info",
-                                   timeout_graceful_shutdown=F.shutdown_timeout))
+                                   timeout_graceful_shutdown=F.shutdown_timeout,
+                                   timeout_keep_alive=F.timeout_keep_alive))
     # uvicorn re-raises the signal that stopped it once it is done; with the default handlers that
     # would turn a clean SIGTERM shutdown into death by signal, so make the re-raise a no-op.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -94,8 +98,8 @@ def main(argv):
     server.run()
     code = 1 if failed else 0
     if not engine.shutdown(timeout=5):
-        # The engine thread is inside an XLA compile or step that cannot be interrupted.
-        logging.warning("exiting with the engine thread still busy")
+        # The engine core is inside an XLA compile or step that cannot be interrupted.
+        logging.warning("exiting with the engine core still busy")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
