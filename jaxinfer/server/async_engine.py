@@ -70,6 +70,7 @@ class Submission:
         self._dirty: dict[str, None] = {}  # ordered set of choices with unread output
         self._error: APIError | None = None
         self._wake = asyncio.Event()
+        self.hung_up = False  # the client went away: next() returns at once
 
     def _update(self, rid: str) -> None:  # event loop
         self._dirty[rid] = None
@@ -80,10 +81,15 @@ class Submission:
             self._error = error
         self._wake.set()
 
+    def hang_up(self) -> None:  # event loop
+        self.hung_up = True
+        self._wake.set()
+
     async def next(self) -> list[RequestOutput]:
         """Outputs of the sub-requests that changed since the last call, one per sub-request; raises
-        the APIError that ended the submission, if any (the siblings are aborted by ``release``)."""
-        while not self._dirty and self._error is None:
+        the APIError that ended the submission, if any (the siblings are aborted by ``release``).
+        Returns [] once the client has hung up."""
+        while not self._dirty and self._error is None and not self.hung_up:
             self._wake.clear()
             await self._wake.wait()
         outs = [self._choices[rid].take() for rid in self._dirty]

@@ -194,16 +194,16 @@ async def _outputs(sub: Submission, request: Request) -> AsyncIterator[RequestOu
     """The submission's outputs until all sub-requests finish, or until the client disconnects.
 
     Each wake-up yields what accumulated since the last one, so a stream that is read slowly gets
-    fewer, larger events rather than a backlog."""
+    fewer, larger events rather than a backlog. The disconnect watcher wakes the submission itself,
+    so waiting costs one await per wake-up, not a future and an ``asyncio.wait`` per output."""
     gone = asyncio.ensure_future(_disconnect(request))
+    gone.add_done_callback(lambda _: sub.hang_up())
     try:
         while not sub.done:
-            nxt = asyncio.ensure_future(sub.next())
-            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                nxt.cancel()
+            outs = await sub.next()
+            if sub.hung_up:
                 return
-            for out in nxt.result():
+            for out in outs:
                 yield out
     finally:
         gone.cancel()
