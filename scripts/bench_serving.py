@@ -352,6 +352,9 @@ def main(argv):
         summary["device"] = offline["device"]
         _print_row("offline", offline)
         print(f"server / offline output tok/s: {summary['ratio']:.3f}")
+        if "p50_itl_ms" in summary and "p50_tpot_ms" in offline:  # the batch-1 target: ITL vs engine per-token
+            summary["itl_p50_over_offline_tpot_p50"] = summary["p50_itl_ms"] / offline["p50_tpot_ms"]
+            print(f"server ITL p50 / offline TPOT p50: {summary['itl_p50_over_offline_tpot_p50']:.3f}")
     for error in summary["errors"]:
         print("error:", error, file=sys.stderr)
     if F.out:
