@@ -20,7 +20,9 @@ core -> front end:
 from __future__ import annotations
 
 import logging
+import queue
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -67,13 +69,40 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
     outputs.send(("ready", dict(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
                                 warmup_seconds=warmup, num_compilations=engine.num_compilations,
                                 stats=engine.stats())))
+    outbox = _Outbox(outputs)
     try:
-        _loop(engine, commands, outputs)
+        _loop(engine, commands, outbox)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the front end is gone: nobody is left to serve
+    outbox.close()
 
 
-def _loop(engine: LLMEngine, commands: Connection, outputs: Connection) -> None:
+class _Outbox:
+    """Sends messages from a thread, so a front end that is slow to read (its receiving thread waits
+    for its GIL while the event loop is busy) never blocks the engine loop on a full pipe."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-core-send", daemon=True)
+        self._thread.start()
+
+    def send(self, msg) -> None:
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                return
+
+
+def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
     live: set[str] = set()
     while True:
         # Block only when there is nothing to compute; otherwise take what has arrived and step.
