@@ -36,9 +36,15 @@ F = flags.FLAGS
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import jax
     import uvicorn
 
     from jaxinfer.server import AsyncEngine, create_app
+
+    # This process only serves HTTP; should anything here touch JAX, it must not claim accelerator
+    # memory that the engine core (a spawned process with its own JAX) needs. Config, not the
+    # environment, so the engine core does not inherit it.
+    jax.config.update("jax_platforms", "cpu")
 
     config = engine_flags.engine_config()
     failed = []
