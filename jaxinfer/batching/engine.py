@@ -60,6 +60,34 @@ class _Tracker:
     emitted_tokens: int = 0
 
 
+def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``.
+
+    A free function so that a front end in another process (the server's) validates prompts exactly
+    as the engine does, without holding the engine.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+            raise TypeError("a token-id prompt must be a list of integers")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len} "
+                         "(the prompt must leave room for at least one generated token)")
+    return ids
+
+
 class LLMEngine:
     """One model replica: ``config.tensor_parallel`` devices (the ``replica``-th row of the
     ``data_parallel x tensor_parallel`` mesh); ``data_parallel`` replicas are run side by side by
@@ -154,26 +182,7 @@ class LLMEngine:
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
-                raise TypeError("a token-id prompt must be a list of integers")
-            ids = [int(t) for t in ids]
-            if not ids:
-                raise ValueError("prompt must not be empty")
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
-        return ids
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:
