@@ -105,9 +105,11 @@ MOE = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=0, num_layers
 
 
 @pytest.mark.parametrize("scheme", ["int4-g32", "Q4_K"])
-@pytest.mark.parametrize("tokens", [2, 9])  # 2 * 2 <= 6 experts: gathered matvecs; 9 * 2: grouped matmuls
-def test_moe_with_quantized_experts_equals_dequantized(scheme, tokens):
-    """fp8 experts run weight-only (decoded to the activations' dtype) like the others."""
+# 2 * 2 <= 6 experts: gathered matvecs ("gpu": as row reductions); 9 * 2: grouped matmuls
+@pytest.mark.parametrize("tokens,backend", [(2, "native"), (9, "native"), (2, "gpu")])
+def test_moe_with_quantized_experts_equals_dequantized(monkeypatch, scheme, tokens, backend):
+    """fp8 experts run weight-only (decoded to the activations' dtype) like the others. The
+    reference is the dense experts on this backend's own path."""
     rng = np.random.default_rng(tokens)
 
     def stacked(shape):
@@ -127,8 +129,10 @@ def test_moe_with_quantized_experts_equals_dequantized(scheme, tokens):
                  experts_down=dequantize(down))
     x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
     r = layers.rms_scale(x, 1e-5)
-    got = jax.jit(layers.moe, static_argnums=3)(x, r, lw, cfg)
     want = jax.jit(layers.moe, static_argnums=3)(x, r, dense, cfg)
+    if backend == "gpu":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = jax.jit(layers.moe, static_argnums=3)(x, r, lw, cfg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -140,6 +144,20 @@ def test_unknown_scheme_names_the_choices():
     from jaxinfer.batching.config import EngineConfig
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="nf4")
+
+
+def test_quantization_over_a_mesh_is_refused():
+    from jaxinfer.batching.config import EngineConfig
+    from jaxinfer.models.sharding import DP, TP
+    from jaxinfer.models.weights import load_model
+    EngineConfig(quantization="auto", tensor_parallel=2)  # auto: full precision over a mesh
+    with pytest.raises(ValueError, match="quantization with tensor_parallel > 1 is not supported yet"):
+        EngineConfig(quantization="int8", tensor_parallel=2)
+    with pytest.raises(ValueError, match="quantization with tensor_parallel > 1 is not supported yet"):
+        EngineConfig(quantization="int4", data_parallel=2)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), (DP, TP))  # checked before any load
+    with pytest.raises(ValueError, match="quantization with tensor_parallel > 1 is not supported yet"):
+        load_model("tiny-llama3", load_format="dummy", quantization="int8", mesh=mesh)
 
 
 def test_group_size_that_does_not_divide_the_dimension():

@@ -35,6 +35,10 @@ class EngineConfig:
       is given (then it is dequantized to that dtype at load); on CPU, and for other sources, full
       precision (``"gguf"`` asks for the blocks anywhere). ``"int8"``,
       ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
+    - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in
+      ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
+      must be the device count (checked against the model when the engine is built). Not yet with
+      an explicit ``quantization`` (``"auto"`` then means full precision).
     """
 
     page_size: int = 16
@@ -59,13 +63,20 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
+    tensor_parallel: int = 1
+    data_parallel: int = 1
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel", "data_parallel"):
             _positive(name, getattr(self, name))
+        if self.quantization not in ("auto", "none") and (self.tensor_parallel > 1 or self.data_parallel > 1):
+            # The mesh's layouts and shard_map specs are per plain array; a QArray's blocks need their own.
+            raise ValueError(f"quantization with tensor_parallel > 1 is not supported yet (nor data_parallel > 1): "
+                             f"got quantization={self.quantization!r}, tensor_parallel={self.tensor_parallel}, "
+                             f"data_parallel={self.data_parallel}")
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

@@ -26,13 +26,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
 from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
 from jaxinfer.models.layers import fold_norm
-from jaxinfer.models.spec import (Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights,
-                                  param_spec)
+from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
 from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device,
                             with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
@@ -115,16 +116,22 @@ def load_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: int = 0,
-               layer_loop: str | None = None, quantization: str = "none") -> tuple[ModelConfig, Weights]:
+               layer_loop: str | None = None, mesh: Mesh | None = None,
+               quantization: str = "none") -> tuple[ModelConfig, Weights]:
     """Resolve ``model`` and return its config and weights, cast to ``dtype`` (float leaves) and
-    arranged for ``layer_loop`` (default: the config's), quantized by ``quantization`` (one of
-    ``QUANTIZATIONS``; see the module docstring). ``load_format="dummy"`` gives random weights of
-    the right shapes (benchmarks without a checkpoint)."""
+    arranged for ``layer_loop`` (default: the config's), split over ``mesh`` if given
+    (``models.sharding``), quantized by ``quantization`` (one of ``QUANTIZATIONS``; see the module
+    docstring; not yet over a mesh). ``load_format="dummy"`` gives random weights of the right
+    shapes (benchmarks without a checkpoint)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     check_device_supports(quantization)
+    if quantization != "none" and mesh is not None:
+        raise ValueError(f"quantization with tensor_parallel > 1 is not supported yet (nor over any mesh): "
+                         f"got quantization={quantization!r} with a {dict(mesh.shape)} mesh")
+    scheme = quantization if quantization in SCHEMES else None
     dtype = _float_dtype(dtype)
     source = resolve_model(model)
     if quantization == "gguf" and (source.kind != "gguf" or load_format == "dummy"):
@@ -135,20 +142,26 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     if layer_loop is not None:
         config = config.replace(layer_loop=layer_loop)
     if load_format == "dummy":
+        if mesh is not None:
+            return config, sharding.dummy_weights(config, jax.random.key(seed), dtype, mesh)
         weights = init_dummy_weights(config, jax.random.key(seed), dtype)
-    elif source.kind == "preset":
+        return config, weights if scheme is None else quantize_weights(weights, config, scheme)
+    if source.kind == "preset":
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
                          "(config.json + *.safetensors) or load_format='dummy'")
-    elif source.kind == "orbax":
-        weights = _restore_converted(source.path, dtype)
+    if source.kind == "orbax":  # restored in the checkpoint's layout, then laid out per device on device
+        weights = _restore_converted(source.path, dtype, mesh)
+        if mesh is not None:
+            return config, sharding.place_weights(arrange_layers(weights, config), config, mesh)
+        if scheme is not None:
+            weights = quantize_weights(weights, config, scheme)  # nothing unfolded to start from
+        return config, arrange_layers(weights, config)
+    if source.kind == "gguf":
+        weights = _load_gguf(source.path, config, dtype, mesh, native=quantization == "gguf", scheme=scheme)
     else:
-        scheme = quantization if quantization in SCHEMES else None
-        if source.kind == "gguf":
-            weights = _load_gguf(source.path, config, dtype, native=quantization == "gguf", scheme=scheme)
-        else:
-            weights = _load_hf(source.path, config, dtype, scheme)
-    if quantization in SCHEMES and (load_format == "dummy" or source.kind == "orbax"):
-        weights = quantize_weights(weights, config, quantization)  # nothing unfolded to start from
+        weights = _load_hf(source.path, config, dtype, mesh, scheme)
+    if mesh is not None and config.layer_loop == "scan":
+        return config, sharding.stack_layers(weights, config, mesh)
     return config, arrange_layers(weights, config)
 
 
@@ -189,8 +202,9 @@ class _Assembler:
 
     _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0, scheme: str | None = None):
-        self.config, self.dtype, self.norm_offset, self.scheme = config, dtype, norm_offset, scheme
+    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0, mesh: Mesh | None = None,
+                 scheme: str | None = None):
+        self.config, self.dtype, self.norm_offset, self.mesh, self.scheme = config, dtype, norm_offset, mesh, scheme
         self.pending: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
         self.layers: list[dict | None] = [None] * config.num_layers
         self.globals: dict[str, jax.Array] = {}
@@ -201,19 +215,33 @@ class _Assembler:
         range, and int4-g64 on SmolLM2 had +51% perplexity quantizing folded weights against +15%
         this way (docs/benchmarks.md)."""
         if self.scheme is None or isinstance(w, QArray):
-            return self._put(w if norm is None else fold_norm(norm, w))
+            return self._cast(w if norm is None else fold_norm(norm, w))
         q = quantize(np.asarray(w, np.float32), self.scheme)
-        return to_device(q if norm is None else with_col_scale(q, norm))
+        return q if norm is None else with_col_scale(q, norm)
 
-    def _put(self, x) -> jax.Array:
+    def _cast(self, x):
+        """A float leaf in the load dtype on the host; a ``QArray`` (blocks) as it is."""
+        if isinstance(x, QArray):
+            return x
+        return np.asarray(x).astype(self.dtype, copy=False)
+
+    def _place(self, name: str, x, is_global: bool):
+        """Onto the device, or straight into its shards over a mesh (no whole copy on any device;
+        ``load_model`` refuses a quantized load over a mesh, so a ``QArray`` has one device)."""
         if isinstance(x, QArray):
             return to_device(x)
-        return jnp.asarray(np.asarray(x).astype(self.dtype, copy=False))
+        if self.mesh is None:
+            return jnp.asarray(x)
+        spec = param_spec(self.config)
+        want = (spec.globals if is_global else spec.layer)[name].shape
+        if x.shape != want:
+            raise ValueError(f"checkpoint tensors do not match the model config: {name}: {x.shape} != {want}")
+        return sharding.place_host_leaf(name, x, self.config, self.mesh, is_global)
 
     def put_global(self, name: str, array: np.ndarray) -> None:
         if name == "final_norm":
             array = np.asarray(array, np.float32) + self.norm_offset
-        self.globals[name] = self._mat(array) if name == "lm_head" else self._put(array)
+        self.globals[name] = self._place(name, self._mat(array) if name == "lm_head" else self._cast(array), True)
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
@@ -249,7 +277,7 @@ class _Assembler:
     def _build(self, p: dict) -> dict:
         """One layer's leaves (``spec.param_spec(config).layer``). Norms are folded in float32 from the
         checkpoint's values, then cast once."""
-        c, put = self.config, self._put
+        c, put = self.config, self._cast
         mlp_norm = p["mlp_norm"]
         out = {"wqkv": self._mat(p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]]), p["attn_norm"])}
         if c.qkv_bias:
@@ -276,7 +304,7 @@ class _Assembler:
             out["w_down"] = self._mat(p["down"])
         if c.post_norms:
             out["post_attn_norm"], out["post_mlp_norm"] = put(p["post_attn_norm"]), put(p["post_mlp_norm"])
-        return out
+        return {name: self._place(name, a, False) for name, a in out.items()}
 
     def finish(self) -> Weights:
         missing = [f"layer {i}: {self._missing(p)[:6]}" for i, p in enumerate(self.pending) if self.layers[i] is None]
@@ -286,7 +314,8 @@ class _Assembler:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
         weights = Weights(embed=self.globals["embed"], layers=self.layers, final_norm=self.globals["final_norm"],
                           lm_head=None if self.config.tie_word_embeddings else self.globals["lm_head"])
-        check_shapes(weights, self.config)
+        if self.mesh is None:  # over a mesh, each leaf was checked as it was placed (``_place``)
+            check_shapes(weights, self.config)
         return weights
 
 
@@ -368,7 +397,7 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, native: bool = False,
+def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None, native: bool = False,
                scheme: str | None = None) -> Weights:
     """``native``: quantized matmul weights and the embedding stay in their blocks (``QArray``s);
     other tensors (norms, and routers, which llama.cpp writes in float) are read as floats.
@@ -377,7 +406,7 @@ def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, native: bool = F
 
     reader = gguf_reader(path)
     family = family_for_gguf(read_gguf_metadata(reader))
-    out = _Assembler(config, dtype, scheme=scheme)
+    out = _Assembler(config, dtype, mesh=mesh, scheme=scheme)
 
     def read(t, part):
         # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
@@ -425,12 +454,12 @@ def _safetensors_files(path: str) -> dict[str, str]:
     return files
 
 
-def _load_hf(path: str, config: ModelConfig, dtype: np.dtype, scheme: str | None = None) -> Weights:
+def _load_hf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None, scheme: str | None = None) -> Weights:
     from safetensors import safe_open
 
     family = FAMILIES[config.architecture]
     matchers = _layer_matcher(family.hf_layer)
-    out = _Assembler(config, dtype, family.hf_norm_offset, scheme)
+    out = _Assembler(config, dtype, family.hf_norm_offset, mesh, scheme)
     by_shard: dict[str, list[str]] = {}
     for name, shard in _safetensors_files(path).items():
         by_shard.setdefault(shard, []).append(name)
@@ -493,7 +522,9 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
                    "layout": CONVERTED_LAYOUT}, f, indent=1)
 
 
-def _restore_converted(path: str, dtype: np.dtype) -> Weights:
+def _restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights:
+    """The saved weights (checkpoint layout), each leaf restored on one device or, over ``mesh``,
+    straight into its shards (orbax reads each device's slice)."""
     import orbax.checkpoint as ocp
 
     with open(os.path.join(path, CONVERTED_CONFIG)) as f:
@@ -502,9 +533,13 @@ def _restore_converted(path: str, dtype: np.dtype) -> Weights:
         raise ValueError(f"{path} was converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
                          f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
     saved = _config_from_json(meta["config"])
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, abstract_weights(saved))
+    else:
+        shardings = sharding.checkpoint_shardings(saved, mesh, saved.layer_loop == "scan")
     # Restoring into the target dtype lets orbax cast while reading: no second full-precision copy.
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding),
-                            abstract_weights(saved))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype, sharding=s), abstract_weights(saved),
+                            shardings)
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(os.path.join(path, "weights"), abstract)
