@@ -8,7 +8,8 @@ replaces, by the field names of ``jaxinfer.models.llama.Ops``; the rest stay the
 - ``decode_attention`` (both of the above in the decode kernel, for decode-only steps of at most
   ``decode_attention_max_seqs`` sequences, which comes with it): ``pallas_gpu``.
 
-Backends: ``reference`` (pure jnp, jaxinfer.paged.attention), ``pallas_gpu`` (Pallas Triton, see
+Backends: ``reference`` (pure jnp, jaxinfer.paged.attention, with ``Ops.defer_kv_write``: the
+cache is written once after the layer loop, which XLA:CPU keeps in place), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
 TPU kernel in Pallas interpret mode; runs on CPU, slow, for tests), ``auto`` (by
 ``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference).
@@ -33,7 +34,7 @@ def get_kernels(backend: str = "auto") -> dict[str, Callable | int]:
     if backend == "auto":
         backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
     if backend == "reference":
-        return {"attention": reference_attention}
+        return {"attention": reference_attention, "defer_kv_write": True}
     if backend == "pallas_gpu":
         from jaxinfer.pallas_kernels import gpu, rope_kv
         return {"attention": gpu.ragged_paged_attention, "rope_write_kv": rope_kv.rope_write_kv,
