@@ -12,5 +12,6 @@ flags.DEFINE_enum("load_format", "auto", ["auto", "dummy"], "'auto' reads the we
                   "ones of the same shapes.")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and KV cache dtype (auto: "
                   "float32 on CPU, bfloat16 on accelerators).")
-flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache: later runs skip "
+flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default: "
+                    "$XDG_CACHE_HOME/jaxinfer/xla; '' turns it off): later runs skip "
                     "recompiling.")

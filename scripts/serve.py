@@ -3,8 +3,8 @@
     python scripts/serve.py                               # smollm2-135m on 127.0.0.1:8000
     python scripts/serve.py --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
 
-The defaults are sized for a small CPU: every step shape is compiled before /health answers 200,
-so fewer, coarser buckets mean a shorter warm-up (at some padding cost per step).
+The defaults are sized for a small CPU: every step shape is compiled (or loaded from the persistent
+compilation cache) before /health answers 200; the engine's CPU buckets are few and coarse.
 """
 
 from __future__ import annotations
@@ -31,25 +31,20 @@ flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator mem
 flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
 flags.DEFINE_integer("max_waiting", 128, "Most requests queued behind the running ones; more are answered 503.")
 flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: Bearer <key>' (else 401).")
-flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: 16, x4, ... up to "
-                  "--max_num_batched_tokens).")
-flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: 4, x4, ... up to --max_num_seqs).")
-flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: 16, x4, ... up to "
-                  "max_model_len / page_size).")
+flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: the engine's; on CPU "
+                  "1, 16, x4, ... up to --max_num_batched_tokens).")
+flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, x4, ... up "
+                  "to --max_num_seqs).")
+flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
+                  "up to max_model_len / page_size).")
 flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request body accepted (else 413).")
 flags.DEFINE_float("shutdown_timeout", 30.0, "On SIGTERM, seconds running requests may take to finish before "
                    "they are aborted.")
 F = flags.FLAGS
 
 
-def coarse_buckets(values: list[str] | None, low: int, high: int, factor: int = 4) -> tuple[int, ...]:
-    """The given sizes, or ``low, low*factor, ...`` capped by ``high`` (which is always included)."""
-    if values:
-        return tuple(int(v) for v in values)
-    out = [min(low, high)]
-    while out[-1] * factor < high:
-        out.append(out[-1] * factor)
-    return tuple(out) + ((high,) if out[-1] != high else ())
+def buckets(values: list[str] | None) -> tuple[int, ...] | None:
+    return tuple(int(v) for v in values) if values else None
 
 
 def main(argv):
@@ -61,15 +56,13 @@ def main(argv):
     from jaxinfer.batching.engine import LLMEngine
     from jaxinfer.server import AsyncEngine, create_app
 
-    pages_per_seq = -(-F.max_model_len // F.page_size)
     config = EngineConfig(
         page_size=F.page_size, num_pages=F.num_pages, kv_cache_memory_fraction=F.kv_cache_memory_fraction,
         max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens,
         max_model_len=F.max_model_len, dtype=F.dtype, load_format=F.load_format,
         enable_prefix_caching=F.enable_prefix_caching, compilation_cache_dir=F.compilation_cache_dir,
-        token_buckets=coarse_buckets(F.token_buckets, 16, F.max_num_batched_tokens),
-        seq_buckets=coarse_buckets(F.seq_buckets, 4, F.max_num_seqs),
-        page_buckets=coarse_buckets(F.page_buckets, 16, pages_per_seq))
+        token_buckets=buckets(F.token_buckets), seq_buckets=buckets(F.seq_buckets),
+        page_buckets=buckets(F.page_buckets))
     failed = []
 
     def on_fatal(error: BaseException) -> None:

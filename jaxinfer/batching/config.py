@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxinfer.models.weights import LOAD_FORMATS
 from jaxinfer.pallas_kernels import BACKENDS
@@ -27,7 +28,14 @@ class EngineConfig:
     - ``max_model_len``: defaults to the model's context length.
     - ``prefill_chunk_size``: most prompt tokens one request feeds per step (default: the budget).
     - ``token_buckets``/``seq_buckets``/``page_buckets``: the padded shapes steps compile for
-      (default: powers of two up to the limits).
+      (default on CPU: tokens 1, 16, x4..., sequences 1, x4..., pages 16, x4..., each up to its limit,
+      measured to lose little to padding there while compiling few shapes; elsewhere powers of two).
+    - ``compilation_cache_dir``: XLA's persistent compilation cache, so a restart loads the steps
+      instead of compiling them; default ``$XDG_CACHE_HOME/jaxinfer/xla`` (``~/.cache/...``), ``""``
+      turns it off.
+    - ``max_executables``: most compiled steps kept alive (least recently used evicted); bounds the
+      memory mappings compiled code holds, so a long-running process meeting many shapes cannot
+      exhaust ``vm.max_map_count``. Warm-up refuses to plan more than this.
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
     - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere (fast compiles).
     """
@@ -52,13 +60,14 @@ class EngineConfig:
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
     compilation_cache_dir: str | None = None
+    max_executables: int = 256
     max_logprobs: int = 20
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_executables"):
             _positive(name, getattr(self, name))
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:
@@ -83,6 +92,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
         return cls(**options)
+
+
+def default_compilation_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/jaxinfer/xla``, or ``~/.cache/jaxinfer/xla``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxinfer", "xla")
 
 
 def _positive(name: str, value) -> None:

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.model_runner import Buckets, ModelRunner, powers_of_two
+from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
+from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
 from jaxinfer.models.layers import Ops
@@ -61,8 +61,10 @@ class _Tracker:
 class LLMEngine:
     def __init__(self, model: str, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        cache_dir = default_compilation_cache_dir() if config.compilation_cache_dir is None else \
+            config.compilation_cache_dir
+        if cache_dir:
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         backend = jax.default_backend()
         dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
@@ -88,16 +90,15 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; raise num_pages or lower max_model_len")
         cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, jnp.dtype(dtype))
         budget = config.max_num_batched_tokens
-        buckets = Buckets(
-            tokens=config.token_buckets or powers_of_two(min(8, budget), budget),
-            seqs=config.seq_buckets or powers_of_two(1, config.max_num_seqs),
-            pages=config.page_buckets or powers_of_two(min(4, pages_per_seq), pages_per_seq))
+        default = default_buckets(backend, budget, config.max_num_seqs, pages_per_seq)
+        buckets = Buckets(tokens=config.token_buckets or default.tokens, seqs=config.seq_buckets or default.seqs,
+                          pages=config.page_buckets or default.pages)
         if buckets.tokens[-1] < budget or buckets.seqs[-1] < config.max_num_seqs or buckets.pages[-1] < pages_per_seq:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
                              f"max_model_len/page_size={pages_per_seq}")
         self.runner = ModelRunner(mc, weights, cache, buckets, Ops(**get_kernels(config.attention_backend)),
-                                  max_logprobs=config.max_logprobs)
+                                  max_logprobs=config.max_logprobs, max_executables=config.max_executables)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,

@@ -2,11 +2,17 @@
 
 The step (forward + sampling) is compiled once per bucket of (tokens, sequences, pages per
 sequence); the KV cache is donated to it, so each step updates the cache in place.
+
+Compiled steps are held in an LRU of at most ``max_executables``: every XLA:CPU executable keeps
+its code in memory mappings, and a process that compiled ~400 SmolLM2 step shapes died with
+"LLVM ERROR: Unable to allocate section memory" (``vm.max_map_count`` 65530). An evicted step is
+dropped together with JAX's own caches, which would otherwise keep it alive.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import logging
@@ -28,13 +34,29 @@ log = logging.getLogger(__name__)
 _PENALTY_SLOTS = 16  # the smallest bucket of a step's (row, token, count) penalty triples
 
 
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """``low, 2*low, ...`` up to and including ``high`` (which is added if not a power of two)."""
-    out, b = [], max(1, low)
+def geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
+    """``low, low*factor, ...`` below ``high``, then ``high``."""
+    out, b = [], max(1, min(low, high))
     while b < high:
         out.append(b)
-        b *= 2
+        b *= factor
     return tuple(out) + (high,)
+
+
+def default_buckets(backend: str, max_tokens: int, max_seqs: int, max_pages: int) -> "Buckets":
+    """The bucket set used where none is given.
+
+    CPU: a 1-token bucket (batch-1 decode: the next bucket, 16 tokens, measured ~2x its step
+    time), then 16 tokens and x4 steps; sequences 1, 4, 16, ...; pages 16, 64, ...
+    (docs/benchmarks.md has the step time per bucket): SmolLM2's server defaults plan 20 shapes
+    instead of 624, so warm-up takes seconds, not the minutes that ran out of memory maps.
+    Elsewhere powers of two (tokens from 8, pages from 4): each compile is cheap next to the
+    padding it saves on an accelerator."""
+    if backend == "cpu":
+        tokens = (1,) + geometric(16, max_tokens, 4) if max_tokens > 1 else (1,)
+        return Buckets(tuple(sorted(set(tokens))), geometric(1, max_seqs, 4), geometric(16, max_pages, 4))
+    return Buckets(geometric(min(8, max_tokens), max_tokens, 2), geometric(1, max_seqs, 2),
+                   geometric(min(4, max_pages), max_pages, 2))
 
 
 def _padded_pages(pages: list[int], n: int, fill: int) -> np.ndarray:
@@ -100,13 +122,15 @@ def unpack_inputs(buf: jax.Array, packing: Packing):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
-                 ops: Ops, max_logprobs: int = 20):
+                 ops: Ops, max_logprobs: int = 20, max_executables: int = 256):
         self.config = config
         self.weights = weights
         self.cache = cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.num_compilations = 0
+        self.max_executables = max_executables
+        self._executables: collections.OrderedDict = collections.OrderedDict()  # LRU: key -> compiled step
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
         # Decode-only steps compile separately only where the backend has a kernel for them.
@@ -187,7 +211,7 @@ class ModelRunner:
                 pen_rows += [i] * len(ids)
                 pen_tokens += ids.tolist()
                 pen_counts += c.tolist()
-        k = Buckets.pick(powers_of_two(_PENALTY_SLOTS, max(_PENALTY_SLOTS, len(pen_rows))), max(1, len(pen_rows)))
+        k = Buckets.pick(geometric(_PENALTY_SLOTS, max(_PENALTY_SLOTS, len(pen_rows)), 2), max(1, len(pen_rows)))
         pad = [0] * (k - len(pen_rows))
         sb = SamplingBatch(
             temperature=column([p.temperature for p in params], np.float32),
@@ -208,7 +232,26 @@ class ModelRunner:
     def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict):
         """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored."""
         inputs, packing = pack_inputs((tokens, positions, md, sb))
-        return self._step(self.weights, self.cache, self.last_tokens, inputs, packing=packing, **flags)
+        return self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens, inputs)
+
+    @property
+    def num_executables(self) -> int:
+        return len(self._executables)
+
+    def _compiled(self, inputs, packing: Packing, flags: dict):
+        """The step compiled for this input layout and these flags: from the LRU, or compiled now
+        (through the persistent compilation cache when one is set), evicting the least recently used."""
+        key = (packing, tuple(sorted(flags.items())))
+        exe = self._executables.get(key)
+        if exe is not None:
+            self._executables.move_to_end(key)
+            return exe
+        exe = self._step.lower(self.weights, self.cache, self.last_tokens, inputs, packing=packing, **flags).compile()
+        self._executables[key] = exe
+        if len(self._executables) > self.max_executables:
+            self._executables.popitem(last=False)
+            jax.clear_caches()  # JAX's compilation caches hold a reference to every executable
+        return exe
 
     def run(self, batch: ScheduledBatch) -> SampleResult:
         """Dispatch one step; the result stays on device until the caller reads it."""
@@ -216,23 +259,29 @@ class ModelRunner:
         self.num_steps += 1
         return result
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
-        """Compile every bucket ahead of time, greedy and (unless ``greedy_only``) sampled steps, and
-        the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
-        compile on first use)."""
+    def warmup_plan(self, shapes=None, greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool]]:
+        """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only)`` for every
+        bucket, greedy and (unless ``greedy_only``) sampled, and the decode-only variant of the shapes a
+        decode-only step can take (logprobs and penalties compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         decode = {x for x in self.buckets.decode_shapes() if x[1] <= self._decode_max_seqs}
         steps = [(x, False) for x in shapes] + [(x, True) for x in shapes if x in decode]
         variants = (True,) if greedy_only else (True, False)
-        for ((t, s, p), decode_only), greedy in tqdm([(x, g) for x in steps for g in variants],
-                                                     desc="compiling buckets", unit="step"):
+        return [(x, d, g) for x, d in steps for g in variants]
+
+    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
+        """Compile every step of ``warmup_plan`` ahead of time, without running any."""
+        plan = self.warmup_plan(shapes, greedy_only)
+        if len(plan) > self.max_executables:
+            raise ValueError(f"warm-up would compile {len(plan)} steps but max_executables is "
+                             f"{self.max_executables}: raise it or use fewer buckets")
+        for (t, s, p), decode_only, greedy in tqdm(plan, desc="compiling buckets", unit="step"):
             tokens = np.zeros(t, np.int32)
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-            _, self.cache, _ = self.execute(tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
-                                            dict(greedy_only=greedy, num_logprobs=None, penalties=False))
-        jax.block_until_ready(self.cache)
+            inputs, packing = pack_inputs((tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS)))
+            self._compiled(inputs, packing, dict(greedy_only=greedy, num_logprobs=None, penalties=False))
 
     # Swap copies are padded to a power-of-two page count so they compile O(log pages) times, not
     # once per count. Padding reads page 0 (and is cut off) and writes nowhere (dropped index).
