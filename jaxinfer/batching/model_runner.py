@@ -27,7 +27,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.spec import Weights
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv_layers
 from jaxinfer.sampling import SampleResult, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -142,8 +142,12 @@ class ModelRunner:
         # inputs; with the KV pool sized to fill memory it saw no room and recomputed the QKV
         # matmul three times per layer (8B batch-1 step on an H200: 5.73 -> 4.71 ms without it).
         # The pool already leaves `1 - kv_cache_memory_fraction` of memory for temporaries.
+        # With ``ops.defer_kv_write`` the step only reads the cache and returns the new K/V, which
+        # ``_write`` scatters into the donated cache (see ``decoder.forward``).
         self._step = jax.jit(self._step_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
-                             donate_argnums=(1,), compiler_options={"xla_disable_hlo_passes": "rematerialization"})
+                             donate_argnums=() if ops.defer_kv_write else (1,),
+                             compiler_options={"xla_disable_hlo_passes": "rematerialization"})
+        self._write = jax.jit(write_kv_layers, donate_argnums=(0,))
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,))
         self._gather = jax.jit(self._gather_fn)
 
@@ -232,7 +236,10 @@ class ModelRunner:
     def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict):
         """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored."""
         inputs, packing = pack_inputs((tokens, positions, md, sb))
-        return self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens, inputs)
+        result, cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens, inputs)
+        if self._ops.defer_kv_write:
+            cache = self._write(self.cache, *cache, md.slot_mapping)
+        return result, cache, last
 
     @property
     def num_executables(self) -> int:
@@ -282,6 +289,12 @@ class ModelRunner:
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
             inputs, packing = pack_inputs((tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS)))
             self._compiled(inputs, packing, dict(greedy_only=greedy, num_logprobs=None, penalties=False))
+        if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
+            c = self.config
+            for t in sorted({t for (t, _, _), _, _ in plan}):
+                new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.k.dtype)
+                self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
+                                                                          np.int32))
 
     # Swap copies are padded to a power-of-two page count so they compile O(log pages) times, not
     # once per count. Padding reads page 0 (and is cut off) and writes nowhere (dropped index).

@@ -21,7 +21,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import (Ops, gated_mlp, layer_rope_frequencies, linear, moe, rms_norm, rms_scale,
                                     rope_qkv)
 from jaxinfer.models.spec import Weights
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv_layers
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
 # The window a global layer passes when the scanned loop's windows are traced: longer than any context.
 GLOBAL_WINDOW = 1 << 30
@@ -67,7 +67,13 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
             config: ModelConfig, ops: Ops = Ops()) -> tuple[jax.Array, KVCache]:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
-    and the updated cache (donate it at the jit boundary so it is updated in place)."""
+    and the updated cache (donate it at the jit boundary so it is updated in place).
+
+    With ``ops.defer_kv_write`` the cache is only read, and the second value is the step's new K/V
+    instead, ``(k, v)`` each ``[layers, T, kv_heads, head_dim]``, for the caller to write with
+    ``kv_cache.write_kv_layers`` in a separate executable that donates the cache: when one
+    executable both read the cache in an unrolled loop and wrote it, XLA:CPU copied the whole pool
+    to keep the reads' operand intact (SmolLM2 batch-1 step: ~90 -> ~57 ms, contended)."""
     x = weights.embed[tokens]
     if config.embed_scale:
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
@@ -100,12 +106,9 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
         (x, cache), new_kv = jax.lax.scan(
             body, carry, (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32), *per_layer))
         kv_cache = kv_cache if ops.defer_kv_write else cache
-    if ops.defer_kv_write:
-        kv_cache, new_kv = jax.lax.optimization_barrier((kv_cache, new_kv))
-        kv_cache = write_kv_layers(kv_cache, *new_kv, md.slot_mapping)
     x = x[md.logits_indices]
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
     logits = linear(x, weights.embed if weights.lm_head is None else weights.lm_head, jnp.float32)
     if config.final_soft_cap is not None:
         logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
-    return logits, kv_cache
+    return logits, (new_kv if ops.defer_kv_write else kv_cache)
