@@ -21,13 +21,14 @@ def llama_cpp(gguf: str, prompts: list[list[int]], threads: int, new: int) -> di
     path segfaulted on this CPU). It serves one sequence at a time here, so the 8 requests run one
     after another."""
     import llama_cpp as lc
-    default = lc.llama_model_default_params
+    import llama_cpp.llama_cpp as low  # what Llama() takes its default model params from
+    default = low.llama_model_default_params
 
     def params():
         p = default()
         p.use_extra_bufts = False
         return p
-    lc.llama_model_default_params = params
+    low.llama_model_default_params = params
     t0 = time.perf_counter()
     llm = lc.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=128,
                    verbose=False)
