@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -419,7 +420,7 @@ def cpu(results):
     import jax
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.models.weights import resolve_model
-    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-xla-")
+    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-xla-")  # empty: the first start-up is a cold one
     cold, warm = start_up(cache_dir), start_up(cache_dir)
     llm = LLM(F.model, dtype=F.dtype, compilation_cache_dir=cache_dir, **CPU_OPTS)
     warmup_s = llm.warmup()
@@ -440,12 +441,14 @@ def cpu(results):
     del llm
     gc.collect()
     jax.clear_caches()
+    shutil.rmtree(cache_dir)
     gguf = resolve_model(F.model).path
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(prompts, f)
-    peers = {"transformers": peer("transformers", sys.executable, gguf, f.name, new)}
-    if F.peers_python:
-        peers["llama_cpp"] = peer("llama_cpp", F.peers_python, gguf, f.name, new)
+        f.flush()
+        peers = {"transformers": peer("transformers", sys.executable, gguf, f.name, new)}
+        if F.peers_python:
+            peers["llama_cpp"] = peer("llama_cpp", F.peers_python, gguf, f.name, new)
     for name, r in peers.items():
         if r:
             out[f"{name}_decode_tok_s"] = r["decode_tok_s"]

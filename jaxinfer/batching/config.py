@@ -37,7 +37,8 @@ class EngineConfig:
       memory mappings compiled code holds, so a long-running process meeting many shapes cannot
       exhaust ``vm.max_map_count``. Warm-up refuses to plan more than this.
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
-    - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere (fast compiles).
+    - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere: on CPU an unrolled
+      SmolLM2 step compiles in ~10 s against ~1.5 s, though its batch-1 step ran ~35% faster.
     """
 
     page_size: int = 16

@@ -46,10 +46,11 @@ def geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
 def default_buckets(backend: str, max_tokens: int, max_seqs: int, max_pages: int) -> "Buckets":
     """The bucket set used where none is given.
 
-    CPU: a 1-token bucket (batch-1 decode: the next bucket, 16 tokens, measured ~2x its step
-    time), then 16 tokens and x4 steps; sequences 1, 4, 16, ...; pages 16, 64, ...
-    (docs/benchmarks.md has the step time per bucket): SmolLM2's server defaults plan 20 shapes
-    instead of 624, so warm-up takes seconds, not the minutes that ran out of memory maps.
+    CPU: a 1-token bucket for batch-1 decode (SmolLM2, quiet 2-core box: 40.5 ms per step at T=1,
+    50.0 at T=2), then 16 tokens and x4 steps (a step's cost grows with its tokens; 16 costs about
+    what 1 does per step); sequences 1, 4, 16, ...; pages 16, 64, ... (docs/benchmarks.md has the
+    step time per bucket): SmolLM2's server defaults plan 20 shapes instead of 624, so warm-up
+    compiles 40 steps (greedy and sampled), not the ~400 that ran out of memory maps.
     Elsewhere powers of two (tokens from 8, pages from 4): each compile is cheap next to the
     padding it saves on an accelerator."""
     if backend == "cpu":
