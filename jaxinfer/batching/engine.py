@@ -63,9 +63,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         cache_dir = default_compilation_cache_dir() if config.compilation_cache_dir is None else \
             config.compilation_cache_dir
-        if cache_dir:
+        if cache_dir and cache_dir != jax.config.jax_compilation_cache_dir:
+            from jax._src import compilation_cache  # JAX opens its cache once; a new directory needs a reset
             jax.config.update("jax_compilation_cache_dir", cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            compilation_cache.reset_cache()
         backend = jax.default_backend()
         dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         layer_loop = config.layer_loop if config.layer_loop != "auto" else ("unroll" if backend == "gpu" else "scan")
