@@ -9,7 +9,8 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.engine import LLMEngine, RequestOutput
+from jaxinfer.batching.engine import RequestOutput
+from jaxinfer.batching.replicas import create_engine
 from jaxinfer.sampling_params import SamplingParams, as_list
 from jaxinfer.tokenizer import apply_chat_template
 
@@ -20,7 +21,7 @@ class LLM:
     """An engine bound to one model. ``engine_options`` are the fields of :class:`EngineConfig`."""
 
     def __init__(self, model: str = "smollm2-135m", **engine_options):
-        self.engine = LLMEngine(model, EngineConfig.from_options(**engine_options))
+        self.engine = create_engine(model, EngineConfig.from_options(**engine_options))
         self._ids = itertools.count()
 
     @property

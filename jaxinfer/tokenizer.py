@@ -61,11 +61,17 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        # A fast tokenizer that needs no clean-up decodes in Rust directly: transformers' decode
+        # wrapper costs ~10x the decode itself, paid twice per token per sequence on the host loop.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and tokenizer.clean_up_tokenization_spaces is False else None
         self.ids: list[int] = list(prompt_ids)
         self.read_offset = len(self.ids)
         self.prefix_offset = max(0, self.read_offset - _PROMPT_CONTEXT_TOKENS)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: int | Sequence[int]) -> str:

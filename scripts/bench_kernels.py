@@ -1,10 +1,15 @@
 """Time the attention kernels on the current device against its ceilings and peer implementations.
 
-Cases (defaults are the issue-5 shapes):
+Cases (defaults are the issue-5 shapes; ``--heads/--kv-heads/--head-dim/--soft-cap/--window`` give
+other families' attention, e.g. Gemma-2-9B's ``--heads 16 --kv-heads 8 --head-dim 256 --soft-cap 50
+--window 4096 --ctx 8192``, Qwen2.5-7B's ``--heads 28 --kv-heads 4``):
 - decode: 64 sequences x 4096 context, 32 q heads / 8 kv heads, head_dim 128, bf16, page_size 64
-  (and 16, the engine's default), pages scattered over the pool; reported as achieved HBM bandwidth = K/V bytes read / time.
+  (and 16, the engine's default), pages scattered over the pool; reported as achieved HBM bandwidth =
+  K/V bytes the queries can see (with a window, only its keys) / time. With ``--window`` also: the
+  window passed traced (as the scanned layer loop does) and the same call with no window (the
+  whole context: what skipping the keys before the window saves).
 - prefill: 8 x 2048 causal (whole prompts as one chunk), same heads; reported as TFLOP/s
-  (4 * D * heads * sum over queries of visible keys).
+  (4 * D * heads * sum over queries of visible keys, the window's only).
 Ceilings measured in the same run: read bandwidth (sum over a multi-GB array) and the bf16 matmul
 rate (8192^3). Peers: our reference attention under jit (XLA gather + einsum), and the deprecated
 ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only; cache re-laid out for it, untimed).
@@ -12,6 +17,8 @@ Timing: warm-up, then ``--reps`` repetitions of ``--inner`` back-to-back calls e
 block_until_ready; the median per call is reported. Prints a table, writes JSON to ``--out``.
 
     PYTHONPATH=. python3 scripts/bench_kernels.py --out /tmp/kernels.json
+    PYTHONPATH=. python3 scripts/bench_kernels.py --heads 16 --kv-heads 8 --head-dim 256 --soft-cap 50 \
+        --window 4096 --ctx 8192 --out /tmp/kernels_gemma2.json
 """
 
 from __future__ import annotations
@@ -75,6 +82,16 @@ def main():
     ap.add_argument("--small", action="store_true", help="tiny shapes, interpret mode off-GPU: a smoke test")
     ap.add_argument("--only", choices=("all", "decode"), default="all",
                     help="decode: only our default decode kernel (for a profiler)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--soft-cap", type=float, default=None, help="tanh cap on the scores (Gemma 2: 50)")
+    ap.add_argument("--window", type=int, default=None, help="sliding window (Mistral, Gemma's local layers)")
+    ap.add_argument("--seqs", type=int, default=64, help="decode sequences")
+    ap.add_argument("--ctx", type=int, default=4096, help="decode context per sequence")
+    ap.add_argument("--prefill-seqs", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=2048)
     args = ap.parse_args()
     small = args.small
     interp = {} if jax.default_backend() == "gpu" else {"interpret": True}
@@ -83,8 +100,10 @@ def main():
     res = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__}
     print(res, flush=True)
     rng = np.random.default_rng(0)
-    heads, kv_heads, hd, ps, dt = 32, 8, 128, 64, jnp.bfloat16
-    scale = hd ** -0.5
+    heads, kv_heads, hd, ps, dt = args.heads, args.kv_heads, args.head_dim, args.page_size, jnp.bfloat16
+    window = args.window
+    attn = dict(scale=hd ** -0.5, soft_cap=args.soft_cap, sliding_window=window)
+    res["attention"] = dict(heads=heads, kv_heads=kv_heads, head_dim=hd, soft_cap=args.soft_cap, window=window)
 
     def read_bw():
         bw = read_bandwidth(64 << 20 if small else 4 << 30)
@@ -100,30 +119,47 @@ def main():
         run("matmul_bf16_8192", res, matmul)
 
     # ---- decode
-    S, ctx = (4, 256) if small else (64, 4096)
+    S, ctx = (4, 256) if small else (args.seqs, args.ctx)
     q, kc, vc, md = make_case(rng, S, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps, dtype=dt)
-    kv_bytes = 2 * S * ctx * kv_heads * hd * jnp.dtype(dt).itemsize
+    kv_bytes = 2 * S * min(ctx, window or ctx) * kv_heads * hd * jnp.dtype(dt).itemsize  # what the queries see
     res["decode_case"] = dict(seqs=S, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
                               dtype="bf16", kv_bytes=kv_bytes)
     layer = jnp.int32(1)
-    ref_jit = jax.jit(functools.partial(reference, scale=scale))
+    ref_jit = jax.jit(functools.partial(reference, **attn))
     ref_out = ref_jit(q, kc, vc, layer, md) if args.only == "all" else None
 
-    def ours(case=None, **cfg):
-        """Our decode kernel on the main case, or on another ``case`` (q, k, v, md) of the same size."""
+    def ours(case=None, traced_window=False, **cfg):
+        """Our decode kernel on the main case, or on another ``case`` (q, k, v, md) of the same size;
+        ``traced_window``: the window as a jit argument, as the scanned layer loop passes it."""
         cq, ck, cv, cmd = case or (q, kc, vc, md)
         want = ref_jit(cq, ck, cv, layer, cmd) if case else ref_out
-        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp, **cfg))
+        kw = dict(attn, **cfg)
+        if traced_window:
+            w = jnp.int32(kw.pop("sliding_window"))
+            g = jax.jit(lambda *a: gpu.ragged_paged_attention(*a[:-1], sliding_window=a[-1], **kw, **interp))
+            f = lambda *a: g(*a, w)  # noqa: E731
+        else:
+            f = jax.jit(functools.partial(gpu.ragged_paged_attention, **kw, **interp))
         err = rel_err(f(cq, ck, cv, layer, cmd), want) if want is not None else None
         t = tm(f, cq, ck, cv, layer, cmd)
-        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": dict(cfg, page_size=ck.shape[2])}
+        return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err,
+                "cfg": dict(cfg, page_size=ck.shape[2], traced_window=traced_window)}
 
     run("decode_ours", res, ours)
     if args.only == "decode":
         return
+    if window is not None:
+        run("decode_ours_traced_window", res, functools.partial(ours, traced_window=True))
+
+        def no_window():  # the whole context read: the rate is of the window's bytes, so it shows the saving
+            f = jax.jit(functools.partial(gpu.ragged_paged_attention, **dict(attn, sliding_window=None), **interp))
+            t = tm(f, q, kc, vc, layer, md)
+            return {"seconds": t, "TB/s (window bytes)": kv_bytes / t / 1e12,
+                    "TB/s": kv_bytes * ctx / min(ctx, window) / t / 1e12}
+        run("decode_ours_no_window_whole_context", res, no_window)
 
     def kernel_only():  # the decode kernel's own device time (profiler), without the XLA glue around it
-        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp))
+        f = jax.jit(functools.partial(gpu.ragged_paged_attention, **attn, **interp))
         t = kernel_times(f, q, kc, vc, layer, md).get("paged_decode_gpu")
         return {"seconds": t, "TB/s": kv_bytes / t / 1e12} if t else {"error": "no device trace (CPU?)"}
 
@@ -137,6 +173,10 @@ def main():
             for stages in (2, 3):
                 cfg = dict(num_splits=splits, decode_stages=stages)
                 run(f"decode_ours_s{splits}_st{stages}", res, functools.partial(ours, **cfg))
+        if hd > 128:  # the shared-memory plan's choices (gpu._fit) against its neighbours
+            for bk, stages in ((32, 3), (64, 2), (64, 1), (128, 1)):
+                cfg = dict(decode_block_k=bk, decode_stages=stages)
+                run(f"decode_ours_bk{bk}_st{stages}", res, functools.partial(ours, **cfg))
     run("decode_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md)),
                                               "TB/s": kv_bytes / t / 1e12})
 
@@ -145,27 +185,30 @@ def main():
         kp = jnp.transpose(kc[1], (2, 0, 1, 3))  # [KVH, pages, page_size, D]
         vp = jnp.transpose(vc[1], (2, 0, 1, 3))
         f = jax.jit(functools.partial(paged_attention, **interp, **cfg))
-        err = rel_err(f(q * scale, kp, vp, md.page_table, md.seq_lens), ref_out)
-        t = tm(f, q * scale, kp, vp, md.page_table, md.seq_lens)
+        qs = q * attn["scale"]
+        err = rel_err(f(qs, kp, vp, md.page_table, md.seq_lens), ref_out)
+        t = tm(f, qs, kp, vp, md.page_table, md.seq_lens)
         return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": cfg}
 
-    run("decode_pallas_ops_gpu_paged_attention", res, old_pallas)
-    if args.sweep:
-        run("decode_pallas_ops_gpu_paged_attention_2", res,
-            functools.partial(old_pallas, pages_per_compute_block=4, k_splits=8, num_warps=4))
+    if args.soft_cap is None and window is None:  # the deprecated op has neither
+        run("decode_pallas_ops_gpu_paged_attention", res, old_pallas)
+        if args.sweep:
+            run("decode_pallas_ops_gpu_paged_attention_2", res,
+                functools.partial(old_pallas, pages_per_compute_block=4, k_splits=8, num_warps=4))
     del kc, vc, ref_out
 
     # ---- prefill
-    S, ctx = (2, 128) if small else (8, 2048)
+    S, ctx = (2, 128) if small else (args.prefill_seqs, args.prefill_len)
     q, kc, vc, md = make_case(rng, S, ctx, ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
                               dtype=dt)
-    flops = 4 * hd * heads * S * (ctx * (ctx + 1) // 2)
+    visible = np.minimum(np.arange(1, ctx + 1), window or ctx)  # keys each query sees
+    flops = 4 * hd * heads * S * int(visible.sum())
     res["prefill_case"] = dict(seqs=S, q_len=ctx, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd,
                                page_size=ps, dtype="bf16", causal_flops=flops)
     ref_out = ref_jit(q, kc, vc, layer, md)
 
     def ours_pre(**cfg):
-        f = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, **interp, **cfg))
+        f = jax.jit(functools.partial(gpu.ragged_paged_attention, **attn, **interp, **cfg))
         err = rel_err(f(q, kc, vc, layer, md), ref_out)
         t = tm(f, q, kc, vc, layer, md)
         return {"seconds": t, "TFLOP/s": flops / t / 1e12, "rel_err": err, "cfg": cfg}
@@ -173,7 +216,7 @@ def main():
     run("prefill_ours", res, ours_pre)
     if args.sweep:
         for bk in (64,):
-            for rows, warps, stages in ((128, 4, 2), (128, 4, 3)):
+            for rows, warps, stages in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)):
                 cfg = dict(prefill_block_k=bk, prefill_rows=rows, prefill_warps=warps, prefill_stages=stages)
                 run(f"prefill_ours_bk{bk}_r{rows}_w{warps}_st{stages}", res, functools.partial(ours_pre, **cfg))
     run("prefill_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md, reps=3, inner=2)),
@@ -202,8 +245,9 @@ def print_table(res):
         print(f"{k:<48}{v['seconds'] * 1e3:>9.3f}{rate:>14}{err:>10}")
     bw = get("read_bandwidth", "TB/s")
 
-    def whole(k, v):  # whole-function timings (the kernel-only row is a breakdown, not a contender)
-        return isinstance(v, dict) and not k.endswith("_kernel_only")
+    # Contenders are whole-function timings: the kernel-only row is a breakdown, the no-window row a reference.
+    def whole(k, v):
+        return isinstance(v, dict) and not k.endswith(("_kernel_only", "_whole_context"))
     for case, field in (("decode_ours", "TB/s"), ("prefill_ours", "TFLOP/s")):
         best = max(((v[field], k) for k, v in res.items() if k.startswith(case) and whole(k, v) and field in v),
                    default=None)

@@ -1,42 +1,69 @@
-"""Load-test a running OpenAI-compatible server: Poisson arrivals (or a fixed concurrency), streamed requests.
+"""Load-test an OpenAI-compatible server (streamed requests, Poisson arrivals or a fixed concurrency), and
+optionally the offline engine on the same requests in the same run, so the server-to-engine ratio is one command.
 
-    python scripts/serve.py &                                  # wait for /health
+    python scripts/serve.py &                                  # then, once /health answers 200:
     python scripts/bench_serving.py --num_prompts 64 --request_rate 4 --out bench.json
-    python scripts/bench_serving.py --max_concurrency 16 --endpoint chat
+    # Everything in one run: start the server, load it, stop it, run the same requests offline.
+    python scripts/bench_serving.py --launch --offline --model smollm2-135m --num_prompts 64 \\
+        --max_concurrency 16 --max_num_seqs 16 --input_len 32 --output_len 32 --out bench.json
 
-Reports throughput plus TTFT, TPOT (per request: (latency - TTFT) / (tokens - 1)) and inter-token
-latency (gaps between streamed chunks) percentiles. Outputs are fixed-length (ignore_eos) by default
-so runs are comparable.
+Reports throughput, TTFT, TPOT (per request: (latency - TTFT) / (tokens - 1)), inter-token latency
+(gaps between streamed chunks) and e2e percentiles, and the number of failed streams. Outputs are
+fixed-length (ignore_eos) and greedy by default so runs are comparable. With --launch the server gets
+this script's engine flags (engine_flags.py), and --offline builds the very same EngineConfig.
+Requests are sent from --client_processes processes so that the client is not the bottleneck.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 import numpy as np
 from absl import app, flags
-from tqdm.auto import tqdm
 
-flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "Server address.")
-flags.DEFINE_string("model", None, "Model id to send (default: the first one /v1/models lists).")
+import engine_flags  # scripts/ is on sys.path when run as a script
+import model_flags
+
+flags.adopt_module_key_flags(model_flags)
+flags.adopt_module_key_flags(engine_flags)
+flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "Server address (ignored with --launch).")
+flags.DEFINE_boolean("launch", False, "Start scripts/serve.py with this script's model and engine flags, "
+                     "wait until it is healthy, and stop it after the load.")
+flags.DEFINE_float("launch_timeout", 1800.0, "--launch: seconds to wait for /health (warm-up compiles every shape).")
+flags.DEFINE_boolean("offline", False, "Also run the same requests through the offline engine (same config, "
+                     "same concurrency) after the server run, and report server / offline throughput.")
 flags.DEFINE_enum("endpoint", "completions", ["completions", "chat"], "Which API to load.")
 flags.DEFINE_integer("num_prompts", 64, "Requests to send.")
+flags.DEFINE_integer("input_len", None, "Random prompts of exactly this many token ids (vLLM's random dataset); "
+                     "default: short text prompts (about 10 tokens).")
+flags.DEFINE_integer("random_vocab", 10000, "--input_len: token ids are drawn from [10, random_vocab).")
+flags.DEFINE_integer("output_len", None, "Tokens to generate per request (alias of --max_tokens).")
+flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per request.")
 flags.DEFINE_float("request_rate", float("inf"), "Mean arrivals per second (Poisson); inf sends all at once.")
 flags.DEFINE_integer("max_concurrency", None, "Most requests in flight at a time (default: unbounded).")
-flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per request.")
+flags.DEFINE_integer("client_processes", 1, "Client processes sharing the requests (and the concurrency).")
 flags.DEFINE_boolean("ignore_eos", True, "Generate exactly --max_tokens tokens per request.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
 flags.DEFINE_integer("seed", 0, "Seed for prompts and arrival times.")
 flags.DEFINE_string("api_key", None, "Bearer token, if the server wants one.")
-flags.DEFINE_string("out", None, "Write the results as JSON here.")
+flags.DEFINE_string("name", "serving", "Name of this run in the JSON file.")
+flags.DEFINE_string("out", None, "JSON file to write the results to, under --name (other runs in it are kept).")
 F = flags.FLAGS
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SUBJECTS = ["the sea", "a lighthouse keeper", "black holes", "sourdough bread", "the Roman empire", "a lost robot",
              "mountain weather", "prime numbers", "a city at night", "honeybees", "the first computer", "tea"]
 _FORMS = ["Write a short story about {}.", "Explain {} to a child.", "List five facts about {}.",
@@ -54,14 +81,32 @@ class Result:
     error: str = ""
 
 
-def make_prompts(n: int, rng: np.random.Generator) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What each client process needs (absl flags are not parsed in spawned workers)."""
+
+    base_url: str
+    model: str
+    endpoint: str
+    max_tokens: int
+    temperature: float
+    ignore_eos: bool
+    request_rate: float
+    max_concurrency: int
+    api_key: str | None
+    seed: int
+
+
+def make_prompts(n: int, rng: np.random.Generator) -> list:
+    if F.input_len:
+        return [rng.integers(10, F.random_vocab, F.input_len).tolist() for _ in range(n)]
     return [_FORMS[rng.integers(len(_FORMS))].format(_SUBJECTS[rng.integers(len(_SUBJECTS))]) for _ in range(n)]
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: str) -> Result:
-    body = dict(model=model, max_tokens=F.max_tokens, temperature=F.temperature, ignore_eos=F.ignore_eos,
-                stream=True, stream_options={"include_usage": True})
-    if F.endpoint == "chat":
+async def one_request(http: httpx.AsyncClient, load: Load, prompt) -> Result:
+    body = dict(model=load.model, max_tokens=load.max_tokens, temperature=load.temperature,
+                ignore_eos=load.ignore_eos, stream=True, stream_options={"include_usage": True})
+    if load.endpoint == "chat":
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
         path, body["prompt"] = "/v1/completions", prompt
@@ -94,7 +139,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str) -> Resul
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency = time.perf_counter() - t0
-    res.ok = True
+    res.ok = bool(res.output_tokens)  # a stream that ended without its usage chunk did not complete
+    if not res.ok:
+        res.error = "the stream ended without a usage chunk"
     return res
 
 
@@ -102,29 +149,45 @@ def _content(choice: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def run(prompts: list[str], rng: np.random.Generator) -> tuple[list[Result], float]:
-    headers = {"Authorization": f"Bearer {F.api_key}"} if F.api_key else {}
-    limits = httpx.Limits(max_connections=F.max_concurrency or len(prompts))
-    async with httpx.AsyncClient(base_url=F.base_url, headers=headers, timeout=None, limits=limits) as http:
-        model = F.model or (await http.get("/v1/models")).json()["data"][0]["id"]
-        gate = asyncio.Semaphore(F.max_concurrency or len(prompts))
-        bar = tqdm(total=len(prompts), desc="requests", unit="req")
+async def _client(load: Load, prompts: list) -> tuple[list[Result], float, float]:
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=load.max_concurrency)
+    rng = np.random.default_rng(load.seed)
+    async with httpx.AsyncClient(base_url=load.base_url, headers=headers, timeout=None, limits=limits) as http:
+        gate = asyncio.Semaphore(load.max_concurrency)
 
         async def gated(prompt):
             async with gate:
-                res = await one_request(http, model, prompt)
-            bar.update()
-            return res
+                return await one_request(http, load, prompt)
 
-        t0 = time.perf_counter()
+        t0 = time.time()
         tasks = []
         for prompt in prompts:
             tasks.append(asyncio.create_task(gated(prompt)))
-            if F.request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / F.request_rate))
+            if load.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / load.request_rate))
         results = await asyncio.gather(*tasks)
-        bar.close()
-        return results, time.perf_counter() - t0
+        return results, t0, time.time()
+
+
+def client_process(load: Load, prompts: list) -> tuple[list[Result], float, float]:
+    return asyncio.run(_client(load, prompts))
+
+
+def run_clients(load: Load, prompts: list) -> tuple[list[Result], float]:
+    """Split the prompts (round-robin), the concurrency and the rate over --client_processes processes."""
+    k = max(1, min(F.client_processes, len(prompts)))
+    if k == 1:
+        results, t0, t1 = client_process(load, prompts)
+        return results, t1 - t0
+    shares = [dataclasses.replace(load, max_concurrency=max(1, load.max_concurrency // k),
+                                  request_rate=load.request_rate / k, seed=load.seed + i) for i in range(k)]
+    with concurrent.futures.ProcessPoolExecutor(k, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(client_process, shares, [prompts[i::k] for i in range(k)]))
+    results = [None] * len(prompts)
+    for i, (res, _, _) in enumerate(parts):
+        results[i::k] = res
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts)
 
 
 def summarize(results: list[Result], duration: float) -> dict:
@@ -141,34 +204,167 @@ def summarize(results: list[Result], duration: float) -> dict:
                  if r.ttft is not None and r.output_tokens > 1],
         "itl": [x for r in ok for x in r.itl],
         "e2e": [r.latency for r in ok]}
+    summary.update(percentiles(samples))
+    return summary
+
+
+def percentiles(samples: dict[str, list[float]]) -> dict:
+    out = {}
     for name, xs in samples.items():
         if xs:
-            summary[f"mean_{name}_ms"] = float(np.mean(xs) * 1e3)
+            out[f"mean_{name}_ms"] = float(np.mean(xs) * 1e3)
             for q in (50, 90, 99):
-                summary[f"p{q}_{name}_ms"] = float(np.percentile(xs, q) * 1e3)
-    return summary
+                out[f"p{q}_{name}_ms"] = float(np.percentile(xs, q) * 1e3)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the server
+
+
+class LaunchedServer:
+    """scripts/serve.py with this run's model and engine flags, on a free port."""
+
+    def __init__(self, max_waiting: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--port={port}",
+               f"--max_waiting={max_waiting}", *engine_flags.command_line()]
+        print("launching:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + F.launch_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy after {F.launch_timeout:.0f}s:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ----------------------------------------------------------------------------- the offline peer
+
+
+def run_offline(prompts: list, concurrency: int) -> dict:
+    """The same requests through ``LLMEngine`` in this process, at most ``concurrency`` in flight (as the
+    clients keep the server), with per-request TTFT/TPOT from step timestamps. Compiles first."""
+    import jax
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
+    warmup = llm.warmup()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=F.max_tokens, temperature=F.temperature, ignore_eos=F.ignore_eos)
+    pending = list(enumerate(prompts))[::-1]
+    live: dict[str, list] = {}  # request id -> [arrival, first token]
+    ttft, tpot, e2e, out_tokens = [], [], [], 0
+    t0 = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i, prompt = pending.pop()
+            engine.add_request(f"offline-{i}", prompt, params)
+            live[f"offline-{i}"] = [time.perf_counter(), None]
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times = live[out.request_id]
+            if times[1] is None:
+                times[1] = now
+            if out.finished:
+                del live[out.request_id]
+                n = len(out.token_ids)
+                out_tokens += n
+                ttft.append(times[1] - times[0])
+                e2e.append(now - times[0])
+                if n > 1:
+                    tpot.append((now - times[1]) / (n - 1))
+    duration = time.perf_counter() - t0
+    d = jax.devices()[0]
+    return dict(duration_s=duration, output_token_throughput=out_tokens / duration, warmup_s=warmup,
+                device=f"{d.device_kind} ({jax.default_backend()}, jax {jax.__version__})",
+                **percentiles({"ttft": ttft, "tpot": tpot, "e2e": e2e}))
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def _print_row(name: str, s: dict) -> None:
+    lat = "  ".join(f"{k.upper()} p50/p99 {s.get(f'p50_{k}_ms', float('nan')):7.1f}/"
+                    f"{s.get(f'p99_{k}_ms', float('nan')):7.1f} ms" for k in ("ttft", "tpot", "itl"))
+    print(f"{name:<8} {s['output_token_throughput']:10.1f} out tok/s  failed {s.get('failed', 0):4d}  {lat}")
 
 
 def main(argv):
     del argv
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress bar
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if F.output_len is not None:
+        F.max_tokens = F.output_len
+    if F.input_len and F.endpoint == "chat":
+        raise app.UsageError("--input_len makes token-id prompts, which only --endpoint=completions takes")
     rng = np.random.default_rng(F.seed)
-    results, duration = asyncio.run(run(make_prompts(F.num_prompts, rng), rng))
+    prompts = make_prompts(F.num_prompts, rng)
+    concurrency = F.max_concurrency or len(prompts)
+    server = LaunchedServer(max_waiting=len(prompts)) if F.launch else None
+    try:
+        base_url = server.url if server else F.base_url
+        model = httpx.get(f"{base_url}/v1/models", timeout=30,
+                          headers={"Authorization": f"Bearer {F.api_key}"} if F.api_key else {}).json()["data"][0]["id"]
+        load = Load(base_url, model, F.endpoint, F.max_tokens, F.temperature, F.ignore_eos, F.request_rate,
+                    concurrency, F.api_key, F.seed)
+        results, duration = run_clients(load, prompts)
+    finally:
+        if server:
+            server.stop()
     summary = summarize(results, duration)
-    summary["config"] = {k: F[k].value for k in ("base_url", "endpoint", "num_prompts", "request_rate",
-                                                 "max_concurrency", "max_tokens", "ignore_eos", "temperature")}
+    summary["config"] = {k: F[k].value for k in ("endpoint", "num_prompts", "input_len", "max_tokens",
+                                                 "request_rate", "max_concurrency", "client_processes",
+                                                 "ignore_eos", "temperature", *engine_flags.NAMES)}
+    summary["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
+    summary["server_output_tok_s"] = summary["output_token_throughput"]
     print(f"completed {summary['completed']}/{len(results)} in {duration:.1f}s: "
-          f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s, "
-          f"{summary['total_token_throughput']:.1f} total tok/s")
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        if f"p50_{name}_ms" in summary:
-            print(f"{name.upper():>5} ms  " + "  ".join(f"{stat} {summary[f'{stat}_{name}_ms']:8.1f}"
-                                                          for stat in ("mean", "p50", "p90", "p99")))
+          f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s")
+    _print_row("server", summary)
+    if F.offline:
+        offline = run_offline(prompts, concurrency)
+        summary["offline"] = offline
+        summary["offline_output_tok_s"] = offline["output_token_throughput"]
+        summary["ratio"] = summary["server_output_tok_s"] / offline["output_token_throughput"]
+        summary["device"] = offline["device"]
+        _print_row("offline", offline)
+        print(f"server / offline output tok/s: {summary['ratio']:.3f}")
+        if "p50_itl_ms" in summary and "p50_tpot_ms" in offline:  # the batch-1 target: ITL vs engine per-token
+            summary["itl_p50_over_offline_tpot_p50"] = summary["p50_itl_ms"] / offline["p50_tpot_ms"]
+            print(f"server ITL p50 / offline TPOT p50: {summary['itl_p50_over_offline_tpot_p50']:.3f}")
     for error in summary["errors"]:
         print("error:", error, file=sys.stderr)
     if F.out:
+        runs = {}
+        if os.path.exists(F.out):
+            with open(F.out) as f:
+                runs = json.load(f)
+        runs[F.name] = summary
         with open(F.out, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(runs, f, indent=2)
     if not summary["completed"]:
         sys.exit(1)
 

@@ -65,7 +65,7 @@ log = logging.getLogger("benchmark")
 def make_llm(**options):
     from jaxinfer import LLM
     return LLM(F.model, load_format=F.load_format, dtype=F.dtype, compilation_cache_dir=F.compilation_cache_dir,
-               **options)
+               **model_flags.parallel_options(), **options)
 
 
 def random_prompts(rng, n, lengths, vocab):
@@ -157,13 +157,15 @@ def hf_static(prompts, out_lens, b):
     return total
 
 
-def weight_bytes(llm) -> int:
-    """Weight bytes a decode step reads: everything but an untied embedding table, of which a
-    step reads only its tokens' rows."""
+def weight_bytes(llm) -> float:
+    """Weight bytes a batch-1 decode step reads: everything but an untied embedding table (a step
+    reads only its tokens' rows), and of a mixture of experts only the k experts a token is routed to."""
     import jax
-    w = llm.engine.runner.weights
-    unread = w.embed.nbytes if w.lm_head is not None else 0
-    return sum(x.nbytes for x in jax.tree.leaves(w)) - unread
+    mc, w = llm.engine.model_config, llm.engine.runner.weights
+    share = lambda name: mc.num_experts_per_tok / mc.num_experts if name.startswith("experts_") else 1.0  # noqa: E731
+    layers = w.layers if isinstance(w.layers, list) else [w.layers]
+    read = sum(x.nbytes * share(name) for lw in layers for name, x in lw.items())
+    return read + sum(x.nbytes for x in jax.tree.leaves((w.final_norm, w.lm_head if w.lm_head is not None else w.embed)))
 
 
 def latency(results, bw):

@@ -2,6 +2,7 @@
 
     python scripts/generate.py --prompt "The capital of France is" --max_tokens 32 --temperature 0
     python scripts/generate.py --chat "Write a haiku about the sea."
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 python scripts/generate.py --tensor_parallel 3 --prompt "Hi"
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ def main(argv):
         sys.exit("pass exactly one of --prompt or --chat")
     logging.basicConfig(level=logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)  # keep compile logs out of the streamed text
+    options = dict(dtype=F.dtype, load_format=F.load_format, compilation_cache_dir=F.compilation_cache_dir,
+                   max_model_len=F.max_model_len, max_num_seqs=1, max_num_batched_tokens=256,
+                   **model_flags.parallel_options())
+    if model_flags.init_distributed():  # not process 0: run the steps it sends
+        from jaxinfer.batching.config import EngineConfig
+        from jaxinfer.batching.multihost import follow
+        return follow(F.model, EngineConfig.from_options(**options))
     t0 = time.perf_counter()
-    llm = LLM(F.model, dtype=F.dtype, load_format=F.load_format,
-              compilation_cache_dir=F.compilation_cache_dir, max_model_len=F.max_model_len, max_num_seqs=1,
-              max_num_batched_tokens=256)
+    llm = LLM(F.model, **options)
     print(f"[loaded {F.model} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     if F.chat is not None:
         messages = ([{"role": "system", "content": F.system}] if F.system else []) + [

@@ -15,3 +15,29 @@ flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and
 flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default: "
                     "$XDG_CACHE_HOME/jaxinfer/xla; '' turns it off): later runs skip "
                     "recompiling.")
+flags.DEFINE_integer("tensor_parallel", 1, "Devices each model replica is split over (attention heads, MLP, "
+                     "experts, vocabulary).")
+flags.DEFINE_integer("data_parallel", 1, "Model replicas, each serving its share of the requests. Other than "
+                     "1 x 1, data_parallel * tensor_parallel must be the device count (of all processes).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for a run over several processes or "
+                    "hosts (jax.distributed); every process passes the same flags but its --process_id.")
+flags.DEFINE_integer("num_processes", 1, "Processes of a multi-process run (with --coordinator_address).")
+flags.DEFINE_integer("process_id", 0, "This process's index in [0, --num_processes); 0 runs the scheduler.")
+
+
+def parallel_options() -> dict:
+    """The engine options these flags set."""
+    return dict(tensor_parallel=flags.FLAGS.tensor_parallel, data_parallel=flags.FLAGS.data_parallel)
+
+
+def init_distributed() -> bool:
+    """Join the multi-process run the flags describe (before anything touches a device); returns
+    whether this process is a follower, which runs the steps process 0 sends instead of the script
+    (see ``jaxinfer.batching.multihost``)."""
+    F = flags.FLAGS
+    if F.coordinator_address is None:
+        return False
+    from jaxinfer.batching.multihost import initialize
+
+    initialize(F.coordinator_address, F.num_processes, F.process_id)
+    return F.process_id != 0

@@ -17,15 +17,20 @@ def greedy(n=MAX_TOKENS):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _oracle(model: str) -> LLM:
+    return LLM(model, **BASE)
+
+
+@functools.lru_cache(maxsize=None)
+def run_alone(model: str, prompt: tuple, n: int = MAX_TOKENS) -> list[int]:
+    """The oracle: each request run by itself on an otherwise idle engine."""
+    return _oracle(model).generate([list(prompt)], greedy(n))[0].token_ids
+
+
 @pytest.fixture(scope="module")
 def alone():
-    """The oracle: each request run by itself on an otherwise idle engine."""
-    llm = LLM("tiny-llama3", **BASE)
-
-    @functools.lru_cache(maxsize=None)
-    def run(prompt: tuple, n: int = MAX_TOKENS):
-        return llm.generate([list(prompt)], greedy(n))[0].token_ids
-    return run
+    return functools.partial(run_alone, "tiny-llama3")
 
 
 def make_prompts(seed, n, low=3, high=120, prefix=()):
@@ -60,34 +65,40 @@ def assert_no_leak(engine):
     assert not engine.requests and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("opts", [
-    dict(),  # staggered arrivals only
-    dict(num_pages=24, preemption_mode="recompute"),
-    dict(num_pages=24, preemption_mode="swap"),
-    dict(prefill_chunk_size=1),
-    dict(prefill_chunk_size=5),
-    dict(prefill_chunk_size=16, enable_prefix_caching=False),
-], ids=["staggered", "preempt-recompute", "preempt-swap", "chunk1", "chunk5", "chunk16-nocache"])
-def test_scheduling_paths_match_alone(alone, opts):
-    llm = LLM("tiny-llama3", **{**BASE, **opts})
+PATHS = {
+    "staggered": dict(),  # staggered arrivals only
+    "preempt-recompute": dict(num_pages=24, preemption_mode="recompute"),
+    "preempt-swap": dict(num_pages=24, preemption_mode="swap"),
+    "chunk1": dict(prefill_chunk_size=1),
+    "chunk5": dict(prefill_chunk_size=5),
+    "chunk16-nocache": dict(prefill_chunk_size=16, enable_prefix_caching=False),
+}
+# A second family (sliding windows, soft caps, post-norms) on the paths that move KV pages around.
+GEMMA_PATHS = ("staggered", "preempt-recompute", "preempt-swap", "chunk5")
+
+
+@pytest.mark.parametrize("model,path", [("tiny-llama3", p) for p in PATHS] + [("tiny-gemma2", p) for p in GEMMA_PATHS])
+def test_scheduling_paths_match_alone(model, path):
+    opts = PATHS[path]
+    llm = LLM(model, **{**BASE, **opts})
     ps = make_prompts(0, 10)
     arrivals = [(3 * i, p) for i, p in enumerate(ps)]
     done = drive(llm.engine, arrivals)
     for i, p in enumerate(ps):
-        assert done[f"r{i}"].token_ids == alone(tuple(p)), f"request {i} diverged"
+        assert done[f"r{i}"].token_ids == run_alone(model, tuple(p)), f"request {i} diverged"
     if "num_pages" in opts:
         assert llm.engine.stats()["preemptions"] > 0, "pool was meant to force preemption"
     assert_no_leak(llm.engine)
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_shared_prefixes(alone, caching):
+@pytest.mark.parametrize("model,caching", [("tiny-llama3", True), ("tiny-llama3", False), ("tiny-gemma2", True)])
+def test_shared_prefixes(model, caching):
     prefix = make_prompts(1, 1, 70, 71)[0]
     ps = make_prompts(2, 6, 1, 20, prefix=prefix)
-    llm = LLM("tiny-llama3", **{**BASE, "enable_prefix_caching": caching})
+    llm = LLM(model, **{**BASE, "enable_prefix_caching": caching})
     done = drive(llm.engine, [(2 * i, p) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
-        assert done[f"r{i}"].token_ids == alone(tuple(p))
+        assert done[f"r{i}"].token_ids == run_alone(model, tuple(p))
     hits = llm.engine.stats()["prefix_cache_hits"]
     assert (hits > 0) == caching
     assert_no_leak(llm.engine)
@@ -214,9 +225,9 @@ def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
         return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale, soft_cap=soft_cap,
                                       sliding_window=sliding_window), cache
 
-    monkeypatch.setattr(engine, "get_kernels", lambda _: {"attention": ragged_paged_attention,
-                                                          "decode_attention": decode_attention,
-                                                          "decode_attention_max_seqs": 2})
+    monkeypatch.setattr(engine, "get_kernels", lambda *_: {"attention": ragged_paged_attention,
+                                                           "decode_attention": decode_attention,
+                                                           "decode_attention_max_seqs": 2})
     eng = LLM("tiny-llama3", **BASE).engine
     eng.warmup(greedy_only=True)
     assert set(traced) == {1, 2}, traced  # the decode-only variants of the 1- and 2-sequence buckets only

@@ -3,9 +3,11 @@
 On CPU the TPU kernel and the GPU (Triton) kernel both run in Pallas interpret mode; on a GPU the
 GPU kernel runs natively (same cases); the native TPU case skips unless a TPU is present. Shapes are
 small because interpret mode is slow, but cover: decodes and (chunked) prefill in one batch, context
-lengths 1, page_size-1, page_size, page_size+1 and several pages, GQA 1/3/8, head_dim 64/128, page
-sizes 16..128, f32/bf16, pages scattered in the pool, soft-cap, sliding window, padding sequences
-and padding tokens (which must come out as zeros).
+lengths 1, page_size-1, page_size, page_size+1 and several pages, GQA 1/2/3/7/8, head_dim 64/128/256,
+page sizes 16..128, f32/bf16, pages scattered in the pool, soft-cap, sliding windows shorter than
+the context and across page boundaries (static and traced), Q/K/V biases and per-head q/k norms in
+the RoPE kernels, padding sequences and padding tokens (which must come out as zeros); and the
+decoder of a family with all of these through the kernels against the same decoder on the reference.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ CASES = {
                                      64, 2, 128, 1, jnp.float32, 3.0, 20),
     "bf16_gqa3_page128_window": ([(1, 127), (1, 129), (40, 300)],
                                  128, 1, 64, 3, jnp.bfloat16, 20.0, 50),
+    # Gemma 2's head_dim 256, GQA 2 and soft cap 50 (scores scaled up so the cap bites); in float32
+    # the GPU kernel's prefill key blocks are half a page (shared memory, gpu._fit).
+    "gemma2_f32_gqa2_d256_softcap_window": ([(1, 150), (1, 40), (1, 7), (11, 90)],
+                                            64, 1, 256, 2, jnp.float32, 50.0, 40),
+    # Qwen2.5-7B's GQA 7 (28/4 heads): rows of a block are not a power of two of tokens.
+    "qwen_bf16_gqa7_d128": ([(1, 33), (1, 90), (6, 6), (13, 50)], 16, 1, 128, 7, jnp.bfloat16, None, None),
 }
 
 
@@ -96,7 +104,10 @@ def test_matches_reference(kernel, case):
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
                                group=group, dtype=dtype)
-    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    # With a soft cap, scores scaled to a standard deviation of cap / 2, so the cap bites (one
+    # score in twenty is past it before capping).
+    kw = dict(scale=head_dim ** -0.5 * (1.0 if soft_cap is None else soft_cap / 2), soft_cap=soft_cap,
+              sliding_window=window)
     layer = jnp.int32(1)  # traced, as inside the model's lax.scan over layers
     with jax.default_matmul_precision("float32"):  # no TF32 in the oracle on GPU
         ref = jax.jit(functools.partial(reference, **kw))(q, kc, vc, layer, md)
@@ -120,6 +131,61 @@ def test_static_layer_and_decode_only(kernel):
         ref = reference(q, kc, vc, 0, md, scale=0.125)
     out = jax.jit(lambda q, k, v, md: kernel(q, k, v, 0, md, scale=0.125))(q, kc, vc, md)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS[:2] + [pytest.param(
+    functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU, num_splits=4, decode_block_k=16),
+    id="gpu_splits4")])
+def test_traced_sliding_window(kernel):
+    """The window as a traced scalar, as the scanned layer loop passes it (each layer's, global
+    layers ``decoder.GLOBAL_WINDOW``): one compiled kernel, run with a window shorter than the context
+    (starting mid-page) and with the global one, against the reference with a static window and with
+    none. Decodes, a chunked prefill and a context shorter than the window; with four KV splits over
+    the window's key blocks, some of them empty. Pages wholly before the window hold NaN in the
+    short window's run: a kernel that loaded them (even masked: 0 * NaN) would return NaN."""
+    from jaxinfer.models.decoder import GLOBAL_WINDOW
+
+    rng = np.random.default_rng(11)
+    seqs, ps = [(1, 100), (1, 16), (1, 1), (9, 50)], 16
+    q, kc, vc, md = make_batch(rng, seqs, page_size=ps, num_kv_heads=2, head_dim=64, group=2, dtype=jnp.float32)
+    pt = np.array(md.page_table)
+    # Pages wholly before position 100 - 23 + 1 = 78 (seq 0) and 41 - 23 + 1 = 19 (seq 3), the first visible.
+    outside = list(pt[0, :78 // ps]) + list(pt[3, :19 // ps])
+    for s, (_, ctx) in enumerate(seqs):  # page-table padding must not point at them either
+        pad = pt[s, -(-ctx // ps):]
+        pad[np.isin(pad, outside)] = pt[0, 99 // ps]
+    md = dataclasses.replace(md, page_table=jnp.asarray(pt))
+    poisoned = [c.at[1, np.asarray(outside)].set(np.nan) for c in (kc, vc)]
+    traces = []
+
+    @jax.jit
+    def f(q, kc, vc, md, w):
+        traces.append(w)
+        return kernel(q, kc, vc, jnp.int32(1), md, scale=0.125, sliding_window=w)
+
+    n_real = int(md.query_start[-1])
+    for window, static, cache in ((23, 23, poisoned), (GLOBAL_WINDOW, None, (kc, vc))):
+        with jax.default_matmul_precision("float32"):
+            ref = reference(q, kc, vc, 1, md, scale=0.125, sliding_window=static)
+        out = np.asarray(f(q, *cache, md, jnp.int32(window)))
+        assert not out[n_real:].any()
+        assert rel_err(out[:n_real], np.asarray(ref)[:n_real]) < 1e-5
+    assert len(traces) == 1
+
+
+def test_gpu_shared_memory_plans():
+    """What ``gpu._fit`` gives each shape: the tuned bf16 plans up to head_dim 128 unchanged (so the
+    Llama path compiles the same kernels), fewer stages for head_dim 256, and in float32 at head_dim
+    256 key blocks of half a 64-slot page; every plan within the budget."""
+    fit = gpu._fit
+    assert fit(64, 3, rows=16, head_dim=128, itemsize=2) == (64, 3)  # decode, Llama 8B
+    assert fit(64, 2, rows=128, head_dim=128, itemsize=2) == (64, 2)  # prefill
+    assert fit(64, 3, rows=16, head_dim=256, itemsize=2) == (64, 2)  # decode, Gemma 2
+    assert fit(64, 2, rows=64, head_dim=256, itemsize=2) == (64, 2)  # prefill
+    assert fit(64, 2, rows=64, head_dim=256, itemsize=4) == (32, 2)
+    assert fit(128, 3, rows=16, head_dim=256, itemsize=4) == (64, 1)
+    with pytest.raises(ValueError, match="head_dim 96 .* allowed: \\(16, 32, 64, 128, 256\\)"):
+        rope_kv.check_head_dim(96)
 
 
 @pytest.mark.parametrize("case,splits", [("mixed_f32_gqa3_d64", 1), ("mixed_bf16_gqa8_d128", 3)])
@@ -152,16 +218,34 @@ def test_get_kernels():
         assert get_kernels("auto") == {"attention": reference}
     with pytest.raises(ValueError, match="pallas_gpu"):
         get_kernels("cuda")
+    # Phi-3's head_dim 96: "auto" falls back to the reference; asking for the GPU kernels is an error.
+    if not ON_TPU:
+        assert get_kernels("auto", head_dim=96) == {"attention": reference}
+    assert get_kernels("pallas_gpu", head_dim=256)["rope_write_kv"] is rope_kv.rope_write_kv
+    with pytest.raises(ValueError, match="head_dim 96 is not supported by the pallas_gpu kernels"):
+        get_kernels("pallas_gpu", head_dim=96)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_per_program", [
-    (9, 3, 64, jnp.float32, None), (9, 3, 64, jnp.float32, 3), (32, 8, 128, jnp.bfloat16, None),
-    (32, 8, 128, jnp.bfloat16, 2)])
-def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, kv_per_program):
+def attention_extras(rng, extras, heads, kv_heads, head_dim, dtype):
+    """Random Q/K/V biases (Qwen2) and q/k norm gains (Qwen3, Gemma 3), as ``extras`` names them."""
+    out = {}
+    if "bias" in extras:
+        out["qkv_bias"] = jnp.asarray(rng.standard_normal((heads + 2 * kv_heads) * head_dim), dtype)
+    if "norm" in extras:
+        out.update({name: jnp.asarray(1 + 0.5 * rng.standard_normal(head_dim), dtype) for name in ("q_norm", "k_norm")})
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_per_program,extras", [
+    (9, 3, 64, jnp.float32, None, ""), (9, 3, 64, jnp.float32, 3, ""), (32, 8, 128, jnp.bfloat16, None, ""),
+    (32, 8, 128, jnp.bfloat16, 2, ""), (14, 2, 128, jnp.bfloat16, None, "bias"), (8, 4, 256, jnp.float32, 4, "norm"),
+    (6, 6, 64, jnp.float32, 2, "bias+norm")])
+def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, kv_per_program, extras):
     """The fused norm scale + RoPE + K/V write kernel against the jnp path: q, and both caches (written
     slots scattered over the pool, padding tokens' out-of-pool slots dropped, other slots untouched).
     Head counts that are not powers of two (SmolLM2's 9/3) exercise the masked rows, its hidden size
-    576 the masked residual row; programs of one kv head (the default here) and of several."""
+    576 the masked residual row; programs of one kv head (the default here) and of several. Q/K/V
+    biases with GQA 7 (Qwen2.5-7B's ratio), q/k head norms at head_dim 256 (Gemma 3), both with GQA 1."""
     rng = np.random.default_rng(heads)
     num_layers, num_pages, page_size, t, hidden = 2, 6, 16, 7, heads * head_dim
     cache = KVCache(*(jnp.asarray(rng.standard_normal((num_layers, num_pages, page_size, kv_heads, head_dim)), dtype)
@@ -172,7 +256,8 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
     slots = rng.permutation(num_pages * page_size)[:t]
     slots[-2:] = num_pages * page_size  # padding tokens
     inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-5,
+              **attention_extras(rng, extras, heads, kv_heads, head_dim, dtype))
     layer = jnp.int32(1)
     with jax.default_matmul_precision("float32"):
         q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, x, positions, inv_freq, cache,
@@ -188,21 +273,27 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
     with pytest.raises(ValueError, match="kv_per_program=2 must divide num_kv_heads=3"):
         rope_kv.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots), num_heads=9,
                               num_kv_heads=3, eps=1e-5, kv_per_program=2)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        rope_kv.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots), num_heads=heads,
+                              num_kv_heads=kv_heads, eps=1e-5, q_norm=jnp.ones(head_dim))
 
 
-@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window", [
-    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None),
-    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None),
-    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20),
-    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None)])
+@pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window,extras", [
+    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, ""),
+    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None, ""),
+    ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20, ""),
+    ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None, ""),
+    ((1, 40, 90), 16, 1, 2, 256, jnp.float32, 4, 16, 50.0, 24, "norm+traced"),
+    ((33, 64, 65), 16, 1, 7, 128, jnp.bfloat16, None, 64, None, None, "bias")])
 def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_heads, group, head_dim, dtype, splits,
-                                                     block_k, soft_cap, window):
+                                                     block_k, soft_cap, window, extras):
     """The decode-only kernel (norm scale, RoPE, K/V write and attention in one) against the jnp
     rope_write_kv followed by the reference attention: the output and both caches. Covers a sequence
     whose only key is its new token, new tokens at a page's first and last slot, a padding sequence
     and padding tokens (zeros out, no cache write), SmolLM2's 9/3 heads and 576-wide residual rows,
     one KV split (rows written directly) and several (combined), multi-page key blocks, soft-cap and
-    a sliding window."""
+    a sliding window (static; traced, with Gemma's head_dim 256, soft cap 50 and q/k norms), Q/K/V
+    biases with GQA 7."""
     rng = np.random.default_rng(sum(seq_lens))
     _, kc, vc, md = make_batch(rng, [(1, n) for n in seq_lens], page_size=page_size, num_kv_heads=kv_heads,
                                head_dim=head_dim, group=group, dtype=dtype, pad_tokens=2)
@@ -218,14 +309,20 @@ def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_hea
     x = jnp.asarray(rng.standard_normal((t, heads * head_dim)) * rng.uniform(0.2, 5.0, (t, 1)), dtype)
     inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
     cache, layer = KVCache(kc, vc), jnp.int32(1)
-    kw = dict(scale=head_dim ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    kw = dict(scale=head_dim ** -0.5 * (1.0 if soft_cap is None else soft_cap / 2), soft_cap=soft_cap)
+    ex = attention_extras(rng, extras, heads, kv_heads, head_dim, dtype)
     with jax.default_matmul_precision("float32"):
         q, c_ref = rope_write_kv(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md.slot_mapping,
-                                 num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
-        ref = reference(q, c_ref.k, c_ref.v, layer, md, **kw)
+                                 num_heads=heads, num_kv_heads=kv_heads, eps=1e-5, **ex)
+        ref = reference(q, c_ref.k, c_ref.v, layer, md, sliding_window=window, **kw)
     kernel = functools.partial(gpu.rope_decode_attention, interpret=not ON_GPU, num_splits=splits,
-                               decode_block_k=block_k, num_heads=heads, eps=1e-5, **kw)
-    out, c = jax.jit(kernel, donate_argnums=(4,))(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md)
+                               decode_block_k=block_k, num_heads=heads, eps=1e-5, **kw, **ex)
+    if "traced" in extras:
+        out, c = jax.jit(lambda *a, w: kernel(*a, sliding_window=w), donate_argnums=(4,))(
+            qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md, w=jnp.int32(window))
+    else:
+        out, c = jax.jit(functools.partial(kernel, sliding_window=window), donate_argnums=(4,))(
+            qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md)
     assert out.shape == q.shape and out.dtype == dtype
     out = np.asarray(out.astype(jnp.float32))
     assert not out[n:].any(), "padding tokens must produce zeros"
@@ -242,19 +339,20 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     reference's tokens, through mixed prefill-chunk + decode steps and a scanned layer loop (traced
     layer index). ``interpret`` is the TPU kernel; ``pallas_gpu`` is patched to its kernels
     (attention; norm scale + RoPE + K/V write; both in one for decode-only steps) interpreted: the
-    GPU path's wiring, checked on CPU."""
+    GPU path's wiring, checked on CPU. Float32 on every platform: a GPU's default bf16 would part the
+    two runs at near-ties, which says nothing about the kernels."""
     from jaxinfer import LLM, SamplingParams
     import jaxinfer.batching.engine as engine
 
-    opts = dict(load_format="dummy", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
-                token_buckets=(8, 32), seq_buckets=(4,), page_buckets=(8,))
+    opts = dict(load_format="dummy", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
+                max_model_len=128, token_buckets=(8, 32), seq_buckets=(4,), page_buckets=(8,))
     prompts = [list(range(3, 3 + n)) for n in (5, 21, 40)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny-llama3", attention_backend="reference", **opts).generate(prompts, params)
     if backend == "pallas_gpu":
         interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) else fn
                        for name, fn in get_kernels(backend).items()}
-        monkeypatch.setattr(engine, "get_kernels", lambda _: interpreted)
+        monkeypatch.setattr(engine, "get_kernels", lambda *_: interpreted)
     got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 
@@ -292,3 +390,94 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
     assert "__gpu$xla.gpu.triton" in text  # the Pallas GPU kernels are in the step
     assert ("rope_paged_decode_gpu" in text) == (batch == "decode_only")
     assert "stablehlo.while" not in text
+
+
+def decoder_steps(page_size=8):
+    """Three steps of two sequences, as the scheduler would pack them: prefills (13 and 5 tokens),
+    then a chunked prefill (seq 0's next 7) with a decode (seq 1), then a decode-only step; one
+    padding token each. Returns [(tokens, positions, md)]."""
+    pages = [[3, 0, 5], [1, 4, 2]]  # scattered over the pool
+    steps, done = [], [0, 0]
+    for counts, decode_only in (((13, 5), False), ((7, 1), False), ((1, 1), True)):
+        toks, pos, slots, starts, lens = [], [], [], [0], []
+        for s, n in enumerate(counts):
+            p = np.arange(done[s], done[s] + n)
+            done[s] += n
+            toks += list((7 * p + 11 * s + 3) % 97)
+            pos += list(p)
+            slots += [pages[s][i // page_size] * page_size + i % page_size for i in p]
+            starts.append(starts[-1] + n)
+            lens.append(done[s])
+        toks, pos, slots = toks + [0], pos + [0], slots + [6 * page_size]  # a padding token
+        md = BatchMetadata(slot_mapping=jnp.asarray(slots, jnp.int32), page_table=jnp.asarray(pages, jnp.int32),
+                           seq_lens=jnp.asarray(lens, jnp.int32), query_start=jnp.asarray(starts, jnp.int32),
+                           logits_indices=jnp.asarray(starts[1:], jnp.int32) - 1, decode_only=decode_only)
+        steps.append((jnp.asarray(toks, jnp.int32), jnp.asarray(pos, jnp.int32), md))
+    return steps
+
+
+def family_config(**changes):
+    """A tiny config with every option the kernels take: Q/K/V biases, q/k head norms, a soft cap,
+    interleaved sliding-window (6) and global layers with their own RoPE bases, GQA 2."""
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=True, post_norms=True,
+                  hidden_act="gelu_tanh", attn_soft_cap=0.5, sliding_window=6, sliding_layers=(True, False),
+                  rope_local_theta=1000.0, rope_scaling=None, vocab_size=97)
+    return dataclasses.replace(PRESETS["tiny-llama3"], **{**fields, **changes})
+
+
+def test_decoder_family_through_gpu_kernels():
+    """The generic decoder (jaxinfer.models.decoder) of a family with every option the kernels take:
+    Q/K/V biases, q/k head norms, soft cap (0.5: scores of order one pass it), interleaved
+    sliding-window (6, shorter than the context, across page boundaries) and global layers with their
+    own RoPE bases, GQA 2; through the GPU path's kernels (interpreted off-GPU: RoPE + K/V write,
+    attention, the fused decode) against the same decoder on the jnp reference, step by step: logits
+    and the cache. The scanned loop, so each layer's window and RoPE frequencies reach the kernels
+    traced (static windows: the kernel tests above)."""
+    from jaxinfer.models.decoder import forward
+    from jaxinfer.models.spec import init_dummy_weights
+
+    config = family_config(layer_loop="scan")
+    weights = init_dummy_weights(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    # Non-trivial biases and norm gains (dummy weights have zeros and ones).
+    randomize = {"qkv_bias": 1.0, "q_norm": 0.5, "k_norm": 0.5}
+    layers = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + randomize.get(path[-1].key, 0.0) * jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+        weights.layers)
+    weights = dataclasses.replace(weights, layers=layers)
+    interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) and not ON_GPU else fn
+                   for name, fn in get_kernels("pallas_gpu").items()}
+    ops = {"reference": Ops(), "kernels": Ops(**interpreted)}
+    caches = {name: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, config.head_dim) for name in ops}
+    step = jax.jit(forward, static_argnames=("config", "ops"))
+    for tokens, positions, md in decoder_steps():
+        logits = {}
+        with jax.default_matmul_precision("float32"):
+            for name, o in ops.items():
+                logits[name], caches[name] = step(weights, tokens, positions, caches[name], md, config=config, ops=o)
+        assert rel_err(logits["kernels"], logits["reference"]) < 1e-5
+        for got, want in zip(jax.tree.leaves(caches["kernels"]), jax.tree.leaves(caches["reference"])):
+            assert rel_err(got, want) < 1e-5
+
+
+def test_gpu_family_step_lowers_for_cuda():
+    """The family's steps with the GPU kernels (head_dim 256, Gemma 2's; static windows: the unrolled
+    loop), lowered for CUDA (on CPU too: Pallas emits the Triton IR here, so an operation Triton
+    cannot lower fails here, not first on the H200): per layer the RoPE + K/V write, decode and
+    prefill kernels in mixed steps, the fused decode kernel alone in the decode-only one; and no
+    ``while`` loop (see test_gpu_step_has_no_host_synced_loops)."""
+    from jaxinfer.models.decoder import forward
+    from jaxinfer.models.spec import abstract_weights
+
+    config = family_config(head_dim=256, layer_loop="unroll")
+    weights = abstract_weights(config, jnp.bfloat16)
+    cache = jax.eval_shape(lambda: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, 256, jnp.bfloat16))
+    step = jax.jit(forward, static_argnames=("config", "ops"))
+    for tokens, positions, md in decoder_steps():
+        text = step.trace(weights, tokens, positions, cache, md, config=config, ops=Ops(**get_kernels("pallas_gpu"))
+                          ).lower(lowering_platforms=("cuda",)).as_text()
+        names = ["rope_paged_decode_gpu"] if md.decode_only else ["rope_write_kv_gpu", "paged_decode_gpu",
+                                                                  "paged_prefill_gpu"]
+        assert text.count("__gpu$xla.gpu.triton") == len(names) * config.num_layers
+        assert all(name in text for name in names)
+        assert "stablehlo.while" not in text

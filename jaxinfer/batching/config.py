@@ -39,6 +39,9 @@ class EngineConfig:
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
     - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere: on CPU an unrolled
       SmolLM2 step compiles in ~10 s against ~1.5 s, though its batch-1 step ran ~35% faster.
+    - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in
+      ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
+      must be the device count (checked against the model when the engine is built).
     """
 
     page_size: int = 16
@@ -63,12 +66,15 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     max_executables: int = 256
     max_logprobs: int = 20
+    tensor_parallel: int = 1
+    data_parallel: int = 1
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_executables"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_executables", "tensor_parallel",
+                     "data_parallel"):
             _positive(name, getattr(self, name))
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:

@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.batching import multihost
 from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
+from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
-from jaxinfer.models.weights import load_model, resolve_model
+from jaxinfer.models.weights import load_config, load_model, resolve_model
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.pallas_kernels import get_kernels
@@ -58,8 +60,40 @@ class _Tracker:
     emitted_tokens: int = 0
 
 
+def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``.
+
+    A free function so that a front end in another process (the server's) validates prompts exactly
+    as the engine does, without holding the engine.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+            raise TypeError("a token-id prompt must be a list of integers")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len} "
+                         "(the prompt must leave room for at least one generated token)")
+    return ids
+
+
 class LLMEngine:
-    def __init__(self, model: str, config: EngineConfig | None = None):
+    """One model replica: ``config.tensor_parallel`` devices (the ``replica``-th row of the
+    ``data_parallel x tensor_parallel`` mesh); ``data_parallel`` replicas are run side by side by
+    ``batching.replicas.ReplicatedEngine``."""
+
+    def __init__(self, model: str, config: EngineConfig | None = None, replica: int = 0):
         self.config = config = config or EngineConfig()
         cache_dir = default_compilation_cache_dir() if config.compilation_cache_dir is None else \
             config.compilation_cache_dir
@@ -72,9 +106,14 @@ class LLMEngine:
         dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         layer_loop = config.layer_loop if config.layer_loop != "auto" else ("unroll" if backend == "gpu" else "scan")
         self.source = resolve_model(model)
+        self.mesh = sharding.replica_mesh(load_config(self.source), config.tensor_parallel, config.data_parallel,
+                                          replica)
+        if multihost.active() and (config.data_parallel > 1 or config.preemption_mode == "swap"):
+            raise ValueError("over several processes, data_parallel must be 1 and preemption_mode 'recompute' "
+                             "(replicas and swapped pages stay within one process)")
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format,
-                                                seed=config.seed, layer_loop=layer_loop)
+                                                seed=config.seed, layer_loop=layer_loop, mesh=self.mesh)
         log.info("loaded %s (%s, %.1fM params) in %.1fs", model, dtype, self.model_config.num_params() / 1e6,
                  time.perf_counter() - t0)
         self.tokenizer = load_tokenizer(self.source)
@@ -90,7 +129,10 @@ class LLMEngine:
         if num_pages < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages} pages of {ps} tokens) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; raise num_pages or lower max_model_len")
-        cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, jnp.dtype(dtype))
+        if self.mesh is None:
+            cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, jnp.dtype(dtype))
+        else:
+            cache = sharding.zeros_cache(mc, self.mesh, num_pages, ps, jnp.dtype(dtype))
         budget = config.max_num_batched_tokens
         default = default_buckets(backend, budget, config.max_num_seqs, pages_per_seq)
         buckets = Buckets(tokens=config.token_buckets or default.tokens, seqs=config.seq_buckets or default.seqs,
@@ -99,8 +141,11 @@ class LLMEngine:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
                              f"max_model_len/page_size={pages_per_seq}")
-        self.runner = ModelRunner(mc, weights, cache, buckets, Ops(**get_kernels(config.attention_backend)),
-                                  max_logprobs=config.max_logprobs, max_executables=config.max_executables)
+        ops = Ops(**get_kernels(config.attention_backend, mc.head_dim))
+        if self.mesh is not None:
+            ops = sharding.sharded_ops(ops, mc, self.mesh)
+        self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh,
+                                  max_executables=config.max_executables)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,
@@ -115,14 +160,25 @@ class LLMEngine:
                              step_tokens=0, host_time=0.0)
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
                  cache.k.nbytes * 2 / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
+        if self.mesh is not None:
+            log.info("mesh %s: %.2f GiB of weights per device", dict(self.mesh.shape),
+                     max(sharding.per_device_bytes(weights).values()) / 2**30)
 
     def _default_num_pages(self, dtype: str, pages_per_seq: int) -> int:
-        mc = self.model_config
-        per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, mc.num_kv_heads, mc.head_dim, dtype)
-        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] * self.config.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
-            return max(1, int(free // per_page))
+        """Pages that fit every device of the replica (each holds its KV heads of every page)."""
+        mc, tp = self.model_config, sharding.tp_size(self.mesh)
+        per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, sharding.kv_heads(mc, tp) // tp,
+                                          mc.head_dim, dtype)
+        devices = jax.devices()[:1] if self.mesh is None else self.mesh.local_devices
+        stats = [d.memory_stats() for d in devices] if jax.default_backend() != "cpu" else []
+        if stats and all(s and "bytes_limit" in s for s in stats):
+            free = min(s["bytes_limit"] * self.config.kv_cache_memory_fraction - s.get("bytes_in_use", 0)
+                       for s in stats)
+            pages = max(1, int(free // per_page))
+            if multihost.active():  # every process must build the same pool: the smallest fits all
+                from jax.experimental import multihost_utils
+                pages = int(np.min(multihost_utils.process_allgather(np.int64(pages))))
+            return pages
         want = self.config.max_num_seqs * pages_per_seq
         return max(pages_per_seq, min(want, int(self.config.cpu_kv_cache_gib * 2**30 // per_page)))
 
@@ -130,26 +186,7 @@ class LLMEngine:
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
-                raise TypeError("a token-id prompt must be a list of integers")
-            ids = [int(t) for t in ids]
-            if not ids:
-                raise ValueError("prompt must not be empty")
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
-        return ids
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.batching import multihost
 from jaxinfer.batching.scheduler import ScheduledBatch
+from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
 from jaxinfer.models.layers import Ops
@@ -123,7 +125,7 @@ def unpack_inputs(buf: jax.Array, packing: Packing):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
-                 ops: Ops, max_logprobs: int = 20, max_executables: int = 256):
+                 ops: Ops, max_logprobs: int = 20, mesh=None, max_executables: int = 256):
         self.config = config
         self.weights = weights
         self.cache = cache
@@ -139,6 +141,20 @@ class ModelRunner:
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
         # the next step reads its decode inputs from here instead of waiting for the host.
         self.last_tokens = jnp.zeros(buckets.seqs[-1], jnp.int32)
+        # Over a mesh (``models.sharding``) the step takes its inputs' shardings (weights and cache
+        # as placed, the rest replicated; jit refuses in_shardings with the static keyword flags) and
+        # pins its outputs': the cache comes back as it went in, so the next step finds it as
+        # compiled for (no recompilation, no resharding).
+        step_shardings, swap_shardings = {}, {}
+        if mesh is not None:
+            rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh)
+            self.last_tokens = jax.device_put(self.last_tokens, rep)
+            step_shardings = dict(out_shardings=(rep, kv, rep))
+            swap_shardings = dict(out_shardings=kv)
+        # Over several processes every one runs each step; process 0 sends them (``multihost``).
+        self._multihost = mesh is not None and multihost.active()
+        if self._multihost and multihost.is_leader():
+            multihost.stop_followers_at_exit()
         # XLA's rematerialization pass budgets temporaries against device memory minus the step's
         # inputs; with the KV pool sized to fill memory it saw no room and recomputed the QKV
         # matmul three times per layer (8B batch-1 step on an H200: 5.73 -> 4.71 ms without it).
@@ -147,9 +163,9 @@ class ModelRunner:
         # ``_write`` scatters into the donated cache (see ``decoder.forward``).
         self._step = jax.jit(self._step_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
                              donate_argnums=() if ops.defer_kv_write else (1,),
-                             compiler_options={"xla_disable_hlo_passes": "rematerialization"})
-        self._write = jax.jit(write_kv_layers, donate_argnums=(0,))
-        self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,))
+                             compiler_options={"xla_disable_hlo_passes": "rematerialization"}, **step_shardings)
+        self._write = jax.jit(write_kv_layers, donate_argnums=(0,), **swap_shardings)
+        self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,), **swap_shardings)
         self._gather = jax.jit(self._gather_fn)
 
     def _step_fn(self, weights, cache, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties):
@@ -234,9 +250,13 @@ class ModelRunner:
                      penalties=bool(pen_rows))
         return tokens, positions, md, sb, flags
 
-    def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict):
-        """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored."""
+    def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict, feeds_next: bool = False):
+        """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored
+        (``feeds_next``: whether they will be, which followers of a multi-process run mirror)."""
         inputs, packing = pack_inputs((tokens, positions, md, sb))
+        if self._multihost:
+            shape = (tokens.shape[0], *md.page_table.shape, sb.penalty_rows.shape[0])
+            multihost.send_step(inputs, shape, md.decode_only, flags, feeds_next)
         result, cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens, inputs)
         if self._ops.defer_kv_write:
             cache = self._write(self.cache, *cache, md.slot_mapping)
@@ -263,9 +283,21 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> SampleResult:
         """Dispatch one step; the result stays on device until the caller reads it."""
-        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch))
+        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch), feeds_next=True)
         self.num_steps += 1
-        return result
+        return multihost.local_view(result) if self._multihost else result
+
+    def follow(self) -> None:
+        """A follower process of a multi-process run: run the steps process 0 sends until it stops."""
+        while (step := multihost.receive_step()) is not None:
+            inputs, (t, s, p, k), decode_only, flags, feeds_next = step
+            md = BatchMetadata(np.zeros(t, np.int32), np.zeros((s, p), np.int32), np.zeros(s, np.int32),
+                               np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
+            _, packing = pack_inputs((md.slot_mapping, md.slot_mapping, md, SamplingBatch.greedy(s, k)))
+            _, self.cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens,
+                                                                         inputs)
+            if feeds_next:
+                self.last_tokens = last
 
     def warmup_plan(self, shapes=None, greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool]]:
         """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only)`` for every

@@ -223,4 +223,26 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=384, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=6,
         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    # Gemma 2's blocks at tiny size: a sliding window shorter than most prompts (crossing pages) on
+    # alternate layers, soft caps, post-norms, GeGLU, scaled embeddings; the batching tests' second family.
+    # Untied (unlike Gemma): random tied embeddings make greedy decoding repeat the last token.
+    "tiny-gemma2": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+        head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
+        bos_token_id=2, eos_token_ids=(1,), architecture="gemma2", post_norms=True,
+        hidden_act="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24.0, attn_soft_cap=2.0,
+        final_soft_cap=3.0, sliding_window=24, sliding_layers=(True, False, True)),
+    # Eight query heads over two KV heads: tensor parallel 2 splits both, 4 and 8 repeat KV heads.
+    "tiny-gqa8": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=8, max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,)),
+    "tiny-qwen2": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,),
+        architecture="qwen2", qkv_bias=True),
+    "tiny-qwen2-moe": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,),
+        architecture="qwen2_moe", qkv_bias=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False, shared_expert_intermediate_size=64),
 }

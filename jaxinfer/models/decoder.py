@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import (Ops, gated_mlp, layer_rope_frequencies, linear, moe, rms_norm, rms_scale,
-                                    rope_qkv)
+from jaxinfer.models.layers import Ops, layer_rope_frequencies, linear, rms_norm, rms_scale, rope_qkv
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
@@ -56,9 +55,9 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
     x = x + y
     r = rms_scale(x, eps)  # the MLP norm's; XLA fuses its rsqrt into the gated activation
     if config.num_experts:
-        y = moe(x, r, lw, config)
+        y = ops.moe(x, r, lw, config)
     else:
-        y = gated_mlp(x, lw["w_gate_up"], lw["w_down"], r, config.hidden_act)
+        y = ops.mlp(x, lw["w_gate_up"], lw["w_down"], r, config.hidden_act)
     if config.post_norms:
         y = rms_norm(y, lw["post_mlp_norm"], eps)
     return x + y, cache, new_kv

@@ -150,32 +150,6 @@ def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, 
     return q, write_kv(cache, layer, k, v, slot_mapping)
 
 
-@dataclasses.dataclass(frozen=True)
-class Ops:
-    """The step's operations a backend may replace with kernels (``pallas_kernels.get_kernels``);
-    the pure-jnp reference by default (the CPU path and the oracle).
-
-    ``attention(q, k_cache, v_cache, layer, md, *, scale, soft_cap, sliding_window)`` and
-    ``rope_write_kv`` (the contract above, with ``qkv_bias``/``q_norm``/``k_norm``). A layer's
-    ``sliding_window`` is a Python int or None in an unrolled loop and a traced int32 scalar in a
-    scanned one whose layers differ (global layers then pass a window longer than any context)."""
-
-    attention: Callable[..., jax.Array] = ragged_paged_attention
-    rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
-    # rope_write_kv and attention in one, for steps with ``md.decode_only``: ``(qkv, x, positions, inv_freq,
-    # cache, layer, md, *, num_heads, eps, scale, soft_cap, sliding_window, qkv_bias, q_norm, k_norm) ->
-    # (attention output [T, H, D], cache)``. None: the two.
-    decode_attention: Callable[..., tuple[jax.Array, KVCache]] | None = None
-    # The most sequences (the step's padded count) a decode-only step may have to be marked
-    # ``decode_only``; larger ones run the two operations and compile no variant of their own.
-    decode_attention_max_seqs: int = 0
-    # The reference path's structure (``get_kernels("reference")``): no layer writes the cache; each
-    # passes its new K/V to ``attention(..., new_kv=(k, v))`` and all layers' are written after the
-    # loop (``kv_cache.write_kv_layers``), so the cache is only read inside it and XLA updates it in
-    # place. Needs an ``attention`` that takes ``new_kv``; ``rope_write_kv`` is then unused.
-    defer_kv_write: bool = False
-
-
 # ------------------------------------------------------------------------------------------ MLPs
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -199,6 +173,14 @@ def moe(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig) -> jax.Array:
     - many rows: rows sorted by expert and one grouped matmul per projection (``jax.lax.ragged_dot``),
       so no expert computes a token it was not given, with no Python loop over experts.
     Qwen2-MoE's shared expert (a dense gated MLP times ``sigmoid(x . w)``) is added to the result."""
+    return moe_partial(x, r, lw, config).astype(x.dtype)
+
+
+def moe_partial(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig, first_expert=0) -> jax.Array:
+    """``moe`` in float32 from the experts ``lw`` holds, ``first_expert`` onwards (the stacks' leading
+    axis may be a slice of the experts, e.g. one device's under expert parallelism): rows routed to
+    other experts contribute zero, so the slices' results sum to the whole. The same holds for a
+    slice of the shared expert's hidden dimension."""
     t, d = x.shape
     k, e = config.num_experts_per_tok, config.num_experts
     logits = linear(x, lw["router"], jnp.float32) * r
@@ -208,18 +190,31 @@ def moe(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig) -> jax.Array:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     act = _ACTIVATIONS[config.hidden_act]
     xs = (x.astype(jnp.float32) * r).astype(x.dtype)  # the normalized rows (the gain is folded)
-    flat = experts.reshape(-1)  # [T * k]
+    local = lw["experts_gate_up"].shape[0]
+    flat = experts.reshape(-1) - first_expert  # [T * k]: index into the local stacks
+    mine = None if local == e else (flat >= 0) & (flat < local)  # None: every expert is here
+    if mine is not None:
+        flat = jnp.where(mine, flat, local)  # other experts' rows: out of range (dropped, zeroed)
     rows = jnp.repeat(xs, k, axis=0)  # [T * k, D]: row i*k + j is token i for its j-th expert
-    if t * k <= e:
-        gu = jnp.einsum("rd,rfd->rf", rows, lw["experts_gate_up"][flat].astype(x.dtype),
+    if t * k <= e and jax.default_backend() == "gpu":
+        # As float32 row reductions XLA fuses the gather into the reduction and streams only the
+        # chosen experts; a gathered dot copies them first (3x the bytes; docs/benchmarks.md).
+        gathered, f32 = jnp.minimum(flat, local - 1), jnp.float32
+        gu = jnp.sum(rows[:, None, :].astype(f32) * lw["experts_gate_up"][gathered].astype(f32), axis=-1)
+        gate, up = jnp.split(gu, 2, axis=-1)
+        h = (act(gate) * up).astype(x.dtype)
+        out = jnp.sum(h[:, None, :].astype(f32) * lw["experts_down"][gathered].astype(f32), axis=-1)
+    elif t * k <= e:
+        gathered = jnp.minimum(flat, local - 1)
+        gu = jnp.einsum("rd,rfd->rf", rows, lw["experts_gate_up"][gathered].astype(x.dtype),
                         preferred_element_type=jnp.float32, precision=_precision(x.dtype))
         gate, up = jnp.split(gu, 2, axis=-1)
         h = (act(gate) * up).astype(x.dtype)
-        out = jnp.einsum("rf,rdf->rd", h, lw["experts_down"][flat].astype(x.dtype),
+        out = jnp.einsum("rf,rdf->rd", h, lw["experts_down"][gathered].astype(x.dtype),
                          preferred_element_type=jnp.float32, precision=_precision(x.dtype))
     else:
         order = jnp.argsort(flat)
-        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        sizes = jnp.bincount(flat, length=local).astype(jnp.int32)
         sorted_rows = rows[order]
         gu = jax.lax.ragged_dot(sorted_rows, jnp.swapaxes(lw["experts_gate_up"], 1, 2).astype(x.dtype), sizes,
                                 precision=_precision(x.dtype), preferred_element_type=jnp.float32)
@@ -228,8 +223,43 @@ def moe(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig) -> jax.Array:
         out_sorted = jax.lax.ragged_dot(h, jnp.swapaxes(lw["experts_down"], 1, 2).astype(x.dtype), sizes,
                                         precision=_precision(x.dtype), preferred_element_type=jnp.float32)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    if mine is not None:
+        out = jnp.where(mine[:, None], out, 0.0)  # rows past the groups are not defined by ragged_dot
     out = jnp.sum(out.reshape(t, k, d) * weights[..., None], axis=1)
     if "shared_gate_up" in lw:
         shared = gated_mlp(x, lw["shared_gate_up"], lw["shared_down"], r, config.hidden_act).astype(jnp.float32)
         out = out + jax.nn.sigmoid(linear(x, lw["shared_gate"], jnp.float32) * r) * shared
-    return out.astype(x.dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ Ops
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The step's operations a backend may replace with kernels (``pallas_kernels.get_kernels``);
+    the pure-jnp reference by default (the CPU path and the oracle).
+
+    ``attention(q, k_cache, v_cache, layer, md, *, scale, soft_cap, sliding_window)`` and
+    ``rope_write_kv`` (the contract above, with ``qkv_bias``/``q_norm``/``k_norm``). A layer's
+    ``sliding_window`` is a Python int or None in an unrolled loop and a traced int32 scalar in a
+    scanned one whose layers differ (global layers then pass a window longer than any context)."""
+
+    attention: Callable[..., jax.Array] = ragged_paged_attention
+    rope_write_kv: Callable[..., tuple[jax.Array, KVCache]] = rope_write_kv
+    # rope_write_kv and attention in one, for steps with ``md.decode_only``: ``(qkv, x, positions, inv_freq,
+    # cache, layer, md, *, num_heads, eps, scale, soft_cap, sliding_window, qkv_bias, q_norm, k_norm) ->
+    # (attention output [T, H, D], cache)``. None: the two.
+    decode_attention: Callable[..., tuple[jax.Array, KVCache]] | None = None
+    # The most sequences (the step's padded count) a decode-only step may have to be marked
+    # ``decode_only``; larger ones run the two operations and compile no variant of their own.
+    decode_attention_max_seqs: int = 0
+    # The feed-forward blocks, with ``gated_mlp``'s and ``moe``'s signatures: replaced by
+    # ``models.sharding`` with per-device versions that sum their partial outputs over the mesh.
+    mlp: Callable[..., jax.Array] = gated_mlp
+    moe: Callable[..., jax.Array] = moe
+    # The reference path's structure (``get_kernels("reference")``): no layer writes the cache; each
+    # passes its new K/V to ``attention(..., new_kv=(k, v))`` and all layers' are written after the
+    # loop (``kv_cache.write_kv_layers``), so the cache is only read inside it and XLA updates it in
+    # place. Needs an ``attention`` that takes ``new_kv``; ``rope_write_kv`` is then unused. One device
+    # only (``models.sharding.sharded_ops`` turns it off).
+    defer_kv_write: bool = False

@@ -21,12 +21,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
 from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
 from jaxinfer.models.layers import fold_norm
-from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights
+from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
 
 LOAD_FORMATS = ("auto", "dummy")
 # A directory written by `save_converted` holds this file (the ModelConfig and dtype) and `weights/`.
@@ -100,10 +102,10 @@ def load_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: int = 0,
-               layer_loop: str | None = None) -> tuple[ModelConfig, Weights]:
+               layer_loop: str | None = None, mesh: Mesh | None = None) -> tuple[ModelConfig, Weights]:
     """Resolve ``model`` and return its config and weights, cast to ``dtype`` and arranged for
-    ``layer_loop`` (default: the config's). ``load_format="dummy"`` gives random weights of the
-    right shapes (benchmarks without a checkpoint)."""
+    ``layer_loop`` (default: the config's), split over ``mesh`` if given (``models.sharding``).
+    ``load_format="dummy"`` gives random weights of the right shapes (benchmarks without a checkpoint)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dtype = _float_dtype(dtype)
@@ -112,16 +114,21 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     if layer_loop is not None:
         config = config.replace(layer_loop=layer_loop)
     if load_format == "dummy":
+        if mesh is not None:
+            return config, sharding.dummy_weights(config, jax.random.key(seed), dtype, mesh)
         return config, init_dummy_weights(config, jax.random.key(seed), dtype)
     if source.kind == "preset":
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
                          "(config.json + *.safetensors) or load_format='dummy'")
-    if source.kind == "orbax":
-        weights = _restore_converted(source.path, dtype)
-    elif source.kind == "gguf":
-        weights = _load_gguf(source.path, config, dtype)
+    if source.kind == "orbax":  # restored in the checkpoint's layout, then laid out per device on device
+        weights = arrange_layers(_restore_converted(source.path, dtype, mesh), config)
+        return config, weights if mesh is None else sharding.place_weights(weights, config, mesh)
+    if source.kind == "gguf":
+        weights = _load_gguf(source.path, config, dtype, mesh)
     else:
-        weights = _load_hf(source.path, config, dtype)
+        weights = _load_hf(source.path, config, dtype, mesh)
+    if mesh is not None and config.layer_loop == "scan":
+        return config, sharding.stack_layers(weights, config, mesh)
     return config, arrange_layers(weights, config)
 
 
@@ -145,19 +152,29 @@ class _Assembler:
 
     _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0):
-        self.config, self.dtype, self.norm_offset = config, dtype, norm_offset
+    def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0, mesh: Mesh | None = None):
+        self.config, self.dtype, self.norm_offset, self.mesh = config, dtype, norm_offset, mesh
         self.pending: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
         self.layers: list[dict | None] = [None] * config.num_layers
         self.globals: dict[str, jax.Array] = {}
 
-    def _put(self, x) -> jax.Array:
-        return jnp.asarray(np.asarray(x).astype(self.dtype, copy=False))
+    def _cast(self, x) -> np.ndarray:
+        return np.asarray(x).astype(self.dtype, copy=False)
+
+    def _place(self, name: str, x: np.ndarray, is_global: bool) -> jax.Array:
+        """Onto the device, or straight into its shards over a mesh (no whole copy on any device)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        spec = param_spec(self.config)
+        want = (spec.globals if is_global else spec.layer)[name].shape
+        if x.shape != want:
+            raise ValueError(f"checkpoint tensors do not match the model config: {name}: {x.shape} != {want}")
+        return sharding.place_host_leaf(name, x, self.config, self.mesh, is_global)
 
     def put_global(self, name: str, array: np.ndarray) -> None:
         if name == "final_norm":
             array = np.asarray(array, np.float32) + self.norm_offset
-        self.globals[name] = self._put(array)
+        self.globals[name] = self._place(name, self._cast(array), True)
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
@@ -193,7 +210,7 @@ class _Assembler:
     def _build(self, p: dict) -> dict:
         """One layer's leaves (``spec.param_spec(config).layer``). Norms are folded in float32 from the
         checkpoint's values, then cast once."""
-        c, put = self.config, self._put
+        c, put = self.config, self._cast
         mlp_norm = p["mlp_norm"]
         out = {"wqkv": put(fold_norm(p["attn_norm"], p["qkv"] if "qkv" in p
                                      else np.concatenate([p["q"], p["k"], p["v"]])))}
@@ -221,7 +238,7 @@ class _Assembler:
             out["w_down"] = put(p["down"])
         if c.post_norms:
             out["post_attn_norm"], out["post_mlp_norm"] = put(p["post_attn_norm"]), put(p["post_mlp_norm"])
-        return out
+        return {name: self._place(name, a, False) for name, a in out.items()}
 
     def finish(self) -> Weights:
         missing = [f"layer {i}: {self._missing(p)[:6]}" for i, p in enumerate(self.pending) if self.layers[i] is None]
@@ -231,7 +248,8 @@ class _Assembler:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
         weights = Weights(embed=self.globals["embed"], layers=self.layers, final_norm=self.globals["final_norm"],
                           lm_head=None if self.config.tie_word_embeddings else self.globals["lm_head"])
-        check_shapes(weights, self.config)
+        if self.mesh is None:  # over a mesh, each leaf was checked as it was placed (``_place``)
+            check_shapes(weights, self.config)
         return weights
 
 
@@ -313,12 +331,12 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
+def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None) -> Weights:
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
     family = family_for_gguf(read_gguf_metadata(reader))
-    out = _Assembler(config, dtype)
+    out = _Assembler(config, dtype, mesh=mesh)
     for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor"):
         if t.name in _GGUF_CONFIG_TENSORS:
             continue
@@ -358,12 +376,12 @@ def _safetensors_files(path: str) -> dict[str, str]:
     return files
 
 
-def _load_hf(path: str, config: ModelConfig, dtype: np.dtype) -> Weights:
+def _load_hf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None) -> Weights:
     from safetensors import safe_open
 
     family = FAMILIES[config.architecture]
     matchers = _layer_matcher(family.hf_layer)
-    out = _Assembler(config, dtype, family.hf_norm_offset)
+    out = _Assembler(config, dtype, family.hf_norm_offset, mesh)
     by_shard: dict[str, list[str]] = {}
     for name, shard in _safetensors_files(path).items():
         by_shard.setdefault(shard, []).append(name)
@@ -423,7 +441,9 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
                    "layout": CONVERTED_LAYOUT}, f, indent=1)
 
 
-def _restore_converted(path: str, dtype: np.dtype) -> Weights:
+def _restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights:
+    """The saved weights (checkpoint layout), each leaf restored on one device or, over ``mesh``,
+    straight into its shards (orbax reads each device's slice)."""
     import orbax.checkpoint as ocp
 
     with open(os.path.join(path, CONVERTED_CONFIG)) as f:
@@ -432,9 +452,13 @@ def _restore_converted(path: str, dtype: np.dtype) -> Weights:
         raise ValueError(f"{path} was converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
                          f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
     saved = _config_from_json(meta["config"])
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, abstract_weights(saved))
+    else:
+        shardings = sharding.checkpoint_shardings(saved, mesh, saved.layer_loop == "scan")
     # Restoring into the target dtype lets orbax cast while reading: no second full-precision copy.
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding),
-                            abstract_weights(saved))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype, sharding=s), abstract_weights(saved),
+                            shardings)
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(os.path.join(path, "weights"), abstract)

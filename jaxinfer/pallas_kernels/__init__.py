@@ -1,5 +1,7 @@
 """Kernels behind one switch: ``get_kernels(backend)`` returns the step operations a backend
-replaces, by the field names of ``jaxinfer.models.llama.Ops``; the rest stay the model's jnp reference.
+replaces, by the field names of ``jaxinfer.models.layers.Ops``; the rest stay the model's jnp reference.
+Every kernel takes every option the decoder passes (soft cap, a static or traced sliding window, Q/K/V
+biases, q/k head norms), so a family never loses a kernel for having them.
 
 - ``attention``, with the reference's signature ``(q, k_cache, v_cache, layer, md, *, scale,
   soft_cap=None, sliding_window=None)``: every backend.
@@ -12,7 +14,8 @@ Backends: ``reference`` (pure jnp, jaxinfer.paged.attention, with ``Ops.defer_kv
 cache is written once after the layer loop, which XLA:CPU keeps in place), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
 TPU kernel in Pallas interpret mode; runs on CPU, slow, for tests), ``auto`` (by
-``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference).
+``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference; a model whose
+head_dim the GPU kernels cannot take, Phi-3's 96, gets the reference on a GPU).
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ from jaxinfer.paged.attention import ragged_paged_attention as reference_attenti
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret")
 
 
-def get_kernels(backend: str = "auto") -> dict[str, Callable | int]:
-    """The operations ``backend`` (one of ``BACKENDS``) implements as kernels."""
+def get_kernels(backend: str = "auto", head_dim: int | None = None) -> dict[str, Callable | int]:
+    """The operations ``backend`` (one of ``BACKENDS``) implements as kernels, for a model of
+    ``head_dim`` (None: any the kernels take)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    from jaxinfer.pallas_kernels import rope_kv
     if backend == "auto":
         backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+        if backend == "pallas_gpu" and head_dim is not None and head_dim not in rope_kv.HEAD_DIMS:
+            backend = "reference"
     if backend == "reference":
         return {"attention": reference_attention, "defer_kv_write": True}
     if backend == "pallas_gpu":
-        from jaxinfer.pallas_kernels import gpu, rope_kv
+        from jaxinfer.pallas_kernels import gpu
+        if head_dim is not None:
+            rope_kv.check_head_dim(head_dim)
         return {"attention": gpu.ragged_paged_attention, "rope_write_kv": rope_kv.rope_write_kv,
                 "decode_attention": gpu.rope_decode_attention, "decode_attention_max_seqs": gpu.FUSED_MAX_SEQS}
     from jaxinfer.pallas_kernels import tpu

@@ -34,8 +34,18 @@ Design, and why:
 - K/V are read in place from the stacked cache ``[layers, pages, page_size, kv_heads, D]`` at the
   (traced or static) layer index; each page of one kv head is ``page_size`` rows of ``D`` contiguous
   elements. No per-layer copy, no gather into a dense context.
+- Model options (what the families of ``jaxinfer.models.families`` need) are static where they are
+  static, so Llama's kernels compile as before: a soft cap (Gemma 2) is a tanh on the scores; Q/K/V
+  biases (Qwen2) and per-head q/k norms (Qwen3, Gemma 3) are loaded and applied in the fused decode
+  kernel only when given. A sliding window is an operand (``_layer_window``), since the scanned layer
+  loop passes each layer's traced: key blocks wholly before it are never loaded (prefill blocks start
+  at it; decode splits divide only the blocks it leaves), the rest are masked per row.
+- head_dim 16 to 256 (``rope_kv.HEAD_DIMS``). Shared memory bounds the tiles (``_fit``, 200 of the
+  227 KiB an H100/H200 block may take): at 256 the decode kernel runs 2 pipeline stages instead of 3,
+  the prefill kernel 64 query rows in 8 warps (128 rows of float32 accumulator would spill registers),
+  and in float32 key blocks of half a 64-slot page.
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
-powers of two (Triton block shapes); head_dim 64 or 128.
+powers of two (Triton block shapes).
 
 Where it stands (docs/benchmarks.md, H200, jax 0.11.2): decode 64 x 4096 ctx, page_size 64, the
 whole call streams K/V at 3.86 TB/s (87% of the 4.44 TB/s read bandwidth measured in the same run;
@@ -46,6 +56,7 @@ page_size 16: 3.78 TB/s), against 1.88 TB/s for the deprecated Pallas paged_atte
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -64,31 +75,40 @@ _DECODE_PROGRAMS = 512
 # (``Ops.decode_attention_max_seqs``; see rope_decode_attention): measured better at 1, worse at 256,
 # not measured in between.
 FUSED_MAX_SEQS = 16
+# Shared memory one program's operands may take (``_fit``): an H100/H200 block may have 227 KiB; the
+# rest is left to what Triton adds (layout conversions, reductions).
+_SMEM_BYTES = 200 * 1024
 
 
 def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo, blk_hi, *,
-                  kv_lo, kv_hi, page_size, block_k, scale, soft_cap, sliding_window, precision,
-                  evict_first=False):
+                  kv_lo, kv_hi, window, page_size, block_k, scale, soft_cap, precision, evict_first=False):
     """Online softmax of the query rows over key blocks ``blk_lo..blk_hi-1`` of ``block_k`` positions.
+    ``window``: the sliding window (a traced scalar read from the kernel's operands; None: none).
 
     ``q`` is ``[R, D]`` or a function returning it, called once the first block's K/V loads are
     issued: then the query's loads and math overlap the first page loads (the decode-only kernel's
     RoPE; measured 5.9 -> 5.5 us per 8B batch-1 layer on an H200, while peeling the plain decode
     kernel slowed its 256-sequence step 1%). ``k_ref``/``v_ref`` are the cache viewed
-    as ``[layers, pages * page_size, kv_heads, D]`` (a free reshape). A block of one page is a strided
-    slice; a block of several pages gathers its rows through the page table, so the load size per
-    step is independent of the page size.
+    as ``[layers, pages * page_size, kv_heads, D]`` (a free reshape). A block of one page or part of
+    one (``_fit`` cuts pages when a page of K and V would not fit shared memory: head_dim 256 in
+    float32) is a strided slice; a block of several pages gathers its rows through the page table,
+    so the load size per step is independent of the page size.
     Returns (acc, m, l): unnormalized output, running max and running sum per row.
     """
     rows, head_dim = row_pos.shape[0], k_ref.shape[-1]
     pages_per_seq = pt_ref.shape[1]
 
+    per_page = page_size // block_k  # key blocks per page (0: a block spans pages)
+
     def load(i):
-        if block_k == page_size:
+        if per_page == 1:
             start = pt_ref[seq, jnp.minimum(i, pages_per_seq - 1)] * page_size
+        elif per_page > 1:
+            start = pt_ref[seq, jnp.minimum(i // per_page, pages_per_seq - 1)] * page_size + (i % per_page) * block_k
+        if per_page:
             hint = dict(eviction_policy="evict_first") if evict_first else {}  # K/V are read once
-            k = plgpu.load(k_ref.at[layer, pl.ds(start, page_size), kv_head, :], **hint)  # [block_k, D]
-            v = plgpu.load(v_ref.at[layer, pl.ds(start, page_size), kv_head, :], **hint)
+            k = plgpu.load(k_ref.at[layer, pl.ds(start, block_k), kv_head, :], **hint)  # [block_k, D]
+            v = plgpu.load(v_ref.at[layer, pl.ds(start, block_k), kv_head, :], **hint)
         else:
             t = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             slot = pt_ref[seq, jnp.minimum(t // page_size, pages_per_seq - 1)] * page_size + t % page_size
@@ -104,8 +124,8 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
         key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         pos = jnp.broadcast_to(row_pos[:, None], (rows, block_k))
         mask = (key_pos <= pos) & (key_pos >= kv_lo) & (key_pos < kv_hi) & live
-        if sliding_window is not None:
-            mask &= key_pos > pos - sliding_window
+        if window is not None:
+            mask &= key_pos > pos - window
         s = jnp.where(mask, s, _MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -152,13 +172,22 @@ def _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, num_rows):
                 mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)))
 
 
-def _split_keys(split, blocks_per_split, first_pos, kv_hi, *, block_k, sliding_window, **_):
+def _split_keys(split, blocks_per_split, first_pos, kv_hi, window, *, block_k, **_):
     """Key positions ``[kv_lo, kv_hi)`` a decode sequence's queries (the first at ``first_pos``) may
-    see, and the key blocks ``[blk_lo, blk_hi)`` of them that KV split ``split`` covers."""
-    kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    blk_lo = jnp.maximum(split * blocks_per_split, kv_lo // block_k)
-    blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
-    return kv_lo, blk_lo, blk_hi
+    see, and the key blocks ``[blk_lo, blk_hi)`` of them that KV split ``split`` covers.
+
+    Without a window the splits cut the padded context statically (``blocks_per_split`` each). With
+    one, they cut the blocks the window leaves, per sequence: blocks before it are never loaded, and
+    a 4096 window in an 8192 context still keeps every split busy instead of half of them idle."""
+    if window is None:
+        blk_lo = split * blocks_per_split
+        blk_hi = jnp.minimum((split + 1) * blocks_per_split, cdiv(kv_hi, block_k))
+        return 0, blk_lo, blk_hi
+    kv_lo = jnp.maximum(first_pos - window + 1, 0)
+    lo, hi = kv_lo // block_k, cdiv(kv_hi, block_k)
+    per_split = cdiv(jnp.maximum(hi - lo, 0), pl.num_programs(2))
+    blk_lo = lo + split * per_split
+    return kv_lo, blk_lo, jnp.minimum(blk_lo + per_split, hi)
 
 
 def _decode_tokens(qs_ref, s, max_q):
@@ -168,8 +197,8 @@ def _decode_tokens(qs_ref, s, max_q):
     return q0, q_len, jnp.where((q_len > 0) & (q_len <= max_q), q_len, 0)
 
 
-def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_refs, group, num_heads,
-                   max_q, rows, blocks_per_split, **attend_kw):
+def _decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_refs, group, num_heads,
+                   max_q, rows, blocks_per_split, windowed, **attend_kw):
     """One (sequence, kv head, KV split). With one split, ``out_refs = (out_init, out)`` (aliased) and
     the normalized rows go straight to the output; with several, ``(acc, m, l)`` partials."""
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -179,9 +208,10 @@ def _decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *ou
     row_pos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
 
     kv_hi = jnp.where(ntok > 0, seq_len, 0)
-    kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, seq_len - q_len, kv_hi, **attend_kw)
-    acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
-                              kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
+    window = _window(lw_refs, windowed)
+    kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, seq_len - q_len, kv_hi, window, **attend_kw)
+    acc, m, l = _attend_pages(q, row_pos, k_ref, v_ref, lw_refs[0][0], h, pt_ref, s, blk_lo, blk_hi,
+                              kv_lo=kv_lo, kv_hi=kv_hi, window=window, **attend_kw)
     if len(out_refs) == 2:
         _store_rows(out_refs[1], acc, l, q0, ntok, h, group, num_heads, q_ref.shape[0])
     else:
@@ -207,14 +237,20 @@ def _combine_kernel(qs_ref, acc_ref, m_ref, l_ref, _, o_ref, *, group, num_heads
         o_ref[(q0 + r // group) * num_heads + h * group + r % group, :] = out.astype(o_ref.dtype)
 
 
-def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x_ref, qkv_ref, _k, _v,
-                        *out_refs, num_heads, num_kv_heads, hidden, eps, rows, blocks_per_split, **attend_kw):
-    """A decode-only step's (sequence, kv head, KV split): the attention norm's scale, RoPE and the
-    K/V write of ``rope_kv`` done here, so that kernel does not run. The new token's key and value stay
-    in registers: the cache pages supply positions ``< pos`` and split 0 adds the new token (and writes
-    it to the cache, which no program of this call reads at that slot). ``out_refs``: as
+def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x_ref, qkv_ref, *refs,
+                        num_heads, num_kv_heads, hidden, eps, rows, blocks_per_split, has_bias, has_norm,
+                        windowed, **attend_kw):
+    """A decode-only step's (sequence, kv head, KV split): the attention norm's scale (plus the
+    bias and the q/k head norms, where the family has them), RoPE and the K/V write of ``rope_kv``
+    done here, so that kernel does not run. The new token's key and value stay in registers: the cache
+    pages supply positions ``< pos`` and split 0 adds the new token (and writes it to the cache, which
+    no program of this call reads at that slot). ``refs``: the bias ``[heads, D]`` if ``has_bias``,
+    the q and k norm gains ``[1, D]`` if ``has_norm``, the aliased cache inputs, the outputs as
     ``_decode_kernel``'s, then the aliased caches."""
-    *out_refs, k_ref, v_ref = out_refs
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
+    _k, _v, *out_refs, k_ref, v_ref = refs
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = num_heads // num_kv_heads
     heads = num_heads + 2 * num_kv_heads
@@ -226,37 +262,51 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
     pos = lens_ref[s] - 1
 
     kv_hi = jnp.where(live, pos, 0)  # the new token itself comes from registers, not the cache
-    kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, pos, kv_hi, **attend_kw)
+    window = _window(lw_refs, windowed)
+    kv_lo, blk_lo, blk_hi = _split_keys(split, blocks_per_split, pos, kv_hi, window, **attend_kw)
     new = {}  # what rope_q computes besides q, for after the attention loop
 
     def rope_q():  # called once the first K/V page loads are in flight
         col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
-        def head_rows(row, mask):  # [n, D] and its halves swapped, float32
+        swapped = (col + half) % head_dim
+
+        def head_rows(ref, row, mask):  # [n, D] and its halves swapped, float32
             mask = jnp.broadcast_to(mask, (row.shape[0], head_dim))
-            return [plgpu.load(qkv_ref.at[row, c], mask=mask, other=0).astype(jnp.float32)
-                    for c in (col, (col + half) % head_dim)]
+            return [plgpu.load(ref.at[row, c], mask=mask, other=0).astype(jnp.float32) for c in (col, swapped)]
 
         r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         row_ok = (r < group) & live
         one = jnp.zeros((1, 1), jnp.int32)
-        q_raw = head_rows(tok * heads + h * group + jnp.minimum(r, group - 1), row_ok)
-        k_raw = head_rows(one + tok * heads + num_heads + h, live)
-        v_raw = head_rows(one + tok * heads + num_heads + num_kv_heads + h, live)[0]
+        q_head = h * group + jnp.minimum(r, group - 1)
+        k_head, v_head = one + num_heads + h, one + num_heads + num_kv_heads + h
+        q_raw = head_rows(qkv_ref, tok * heads + q_head, row_ok)
+        k_raw = head_rows(qkv_ref, tok * heads + k_head, live)
+        v_raw = head_rows(qkv_ref, tok * heads + v_head, live)[0]
+        if has_bias:
+            q_bias, k_bias = head_rows(bias_ref, q_head, row_ok), head_rows(bias_ref, k_head, live)
+            v_bias = head_rows(bias_ref, v_head, live)[0]
         norm = rope_kv.row_rms_scale(x_ref, tok, hidden, eps)  # its load joins those above before any use
         angle = pos.astype(jnp.float32) * freq_ref[col % half]
         cos, sin = jnp.cos(angle), jnp.where(col < half, -jnp.sin(angle), jnp.sin(angle))
+        q_raw, k_raw, v_raw = [a * norm for a in q_raw], [a * norm for a in k_raw], v_raw * norm
+        if has_bias:
+            q_raw, k_raw = [a + b for a, b in zip(q_raw, q_bias)], [a + b for a, b in zip(k_raw, k_bias)]
+            v_raw = v_raw + v_bias
+        if has_norm:
+            q_raw = _head_norm(q_raw, qn_ref, col, swapped, eps)
+            k_raw = _head_norm(k_raw, kn_ref, col, swapped, eps)
 
-        def rotate(a, b):  # rotate-half RoPE of the norm-scaled head
-            return (a * norm) * cos + (b * norm) * sin
+        def rotate(a, b):  # rotate-half RoPE
+            return a * cos + b * sin
 
         new.update(q=rotate(*q_raw).astype(qkv_ref.dtype), k=rotate(*k_raw).astype(k_ref.dtype),
-                   v=(v_raw * norm).astype(v_ref.dtype), row_ok=row_ok[:, 0])
+                   v=v_raw.astype(v_ref.dtype), row_ok=row_ok[:, 0])
         return new["q"]
 
     row_pos = jnp.zeros((rows,), jnp.int32) + pos
-    acc, m, l = _attend_pages(rope_q, row_pos, k_ref, v_ref, layer_ref[0], h, pt_ref, s, blk_lo, blk_hi,
-                              kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
+    acc, m, l = _attend_pages(rope_q, row_pos, k_ref, v_ref, lw_refs[0][0], h, pt_ref, s, blk_lo, blk_hi,
+                              kv_lo=kv_lo, kv_hi=kv_hi, window=window, **attend_kw)
     q, k_new, v_new, row_ok = new["q"], new["k"], new["v"], new["row_ok"]
     # The new token, as one more key of split 0's online softmax.
     s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1) * attend_kw["scale"]
@@ -273,8 +323,8 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
 
     @pl.when(live & (split == 0) & (slot < k_ref.shape[1]))
     def _():
-        plgpu.store(k_ref.at[layer_ref[0], slot, h, :], k_new[0])
-        plgpu.store(v_ref.at[layer_ref[0], slot, h, :], v_new[0])
+        plgpu.store(k_ref.at[lw_refs[0][0], slot, h, :], k_new[0])
+        plgpu.store(v_ref.at[lw_refs[0][0], slot, h, :], v_new[0])
 
     if len(out_refs) == 2:
         _store_rows(out_refs[1], acc, l, tok, live.astype(jnp.int32), h, group, num_heads, out_refs[1].shape[0])
@@ -285,8 +335,8 @@ def _rope_decode_kernel(layer_ref, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref,
         l_ref[s, h, split] = l
 
 
-def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
-                    q_ref, k_ref, v_ref, _, o_ref, *, group, num_heads, rows, **attend_kw):
+def _prefill_kernel(lw_refs, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo_ref, hi_ref,
+                    q_ref, k_ref, v_ref, _, o_ref, *, group, num_heads, rows, windowed, **attend_kw):
     b, h = pl.program_id(0), pl.program_id(1)
     block_k = attend_kw["block_k"]
     seq, tok0, ntok, pos0 = seq_ref[b], tok0_ref[b], ntok_ref[b], pos0_ref[b]
@@ -296,8 +346,10 @@ def _prefill_kernel(layer_ref, pt_ref, seq_ref, tok0_ref, ntok_ref, pos0_ref, lo
     def _():
         q = _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads)
         r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-        acc, _, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, layer_ref[0], h, pt_ref, seq,
-                                  kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi, **attend_kw)
+        # kv_lo already starts past the window (query_blocks): blocks before it are never loaded.
+        acc, _, l = _attend_pages(q, pos0 + r // group, k_ref, v_ref, lw_refs[0][0], h, pt_ref, seq,
+                                  kv_lo // block_k, cdiv(kv_hi, block_k), kv_lo=kv_lo, kv_hi=kv_hi,
+                                  window=_window(lw_refs, windowed), **attend_kw)
         _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, q_ref.shape[0])
 
 
@@ -307,17 +359,66 @@ def _key_block(requested, page_size, ctx):
     return min(bk, next_pow2(ctx)) if bk % page_size == 0 else page_size
 
 
-def _decode_plan(md, page_size, num_kv_heads, num_splits, block_k):
-    """(key block, KV splits, key blocks per split) of the decode kernels; ``num_splits=None`` aims at
-    ``_DECODE_PROGRAMS`` programs. A power of two: the combine loads the splits as one block."""
+def _fit(block_k, stages, *, rows, head_dim, itemsize):
+    """(key block, pipeline stages) within ``_SMEM_BYTES`` of shared memory: the query rows and P
+    (``rows x (D + block_k)``) once, a K and a V block per stage. Drops stages first, then halves the
+    key block (a block smaller than a page is a slice of it) down to 16, a dot's minimum.
+
+    The tuned bf16 defaults up to head_dim 128 fit as they are (decode: 102 KiB; prefill: 112 KiB).
+    head_dim 256 in bf16 drops the decode kernel to 2 stages (138 KiB instead of 202 KiB); float32
+    (the exact tests) also runs fewer stages, and at head_dim 256 smaller key blocks."""
+    def need(bk, st):
+        return (rows * (head_dim + bk) + st * 2 * bk * head_dim) * itemsize
+
+    while True:
+        for st in range(stages, 0, -1):
+            if need(block_k, st) <= _SMEM_BYTES:
+                return block_k, st
+        if block_k <= 16:
+            return block_k, 1
+        block_k //= 2
+
+
+def _decode_plan(md, page_size, num_kv_heads, num_splits, block_k, stages, sliding_window, *, rows, head_dim,
+                 itemsize):
+    """(key block, stages, KV splits, key blocks per split) of the decode kernels; ``num_splits=None``
+    aims at ``_DECODE_PROGRAMS`` programs, but no more splits than key blocks a static window leaves
+    (a traced one: the context's). A power of two: the combine loads the splits as one block."""
     num_seqs, pages_per_seq = md.page_table.shape
     ctx = pages_per_seq * page_size
-    block_k = _key_block(block_k, page_size, ctx)
+    block_k, stages = _fit(_key_block(block_k, page_size, ctx), stages, rows=rows, head_dim=head_dim,
+                           itemsize=itemsize)
     num_kv_blocks = cdiv(ctx, block_k)
+    visible = num_kv_blocks
+    if isinstance(sliding_window, numbers.Integral):  # its blocks, plus the one its start may straddle
+        visible = min(num_kv_blocks, cdiv(int(sliding_window), block_k) + 1)
     if num_splits is None:
         num_splits = cdiv(_DECODE_PROGRAMS, num_seqs * num_kv_heads)
-    num_splits = min(next_pow2(num_splits), next_pow2(num_kv_blocks))
-    return block_k, num_splits, cdiv(num_kv_blocks, num_splits)
+    num_splits = min(next_pow2(num_splits), next_pow2(visible))
+    return block_k, stages, num_splits, cdiv(num_kv_blocks, num_splits)
+
+
+def _layer_window(layer, sliding_window):
+    """The kernels' first operand, a tuple of int32 ``[1]`` arrays: the layer, and the sliding window
+    if there is one. The window is read in the kernel as a scalar, static or traced alike (the scanned
+    layer loop passes each layer's), so one compiled kernel serves local and global layers. Two
+    operands rather than one array of both: joining a traced layer and window would be one more
+    XLA kernel per layer; a reshape is free. Without a window nothing of it is passed or computed."""
+    def operand(v):
+        return jnp.asarray(v, jnp.int32).reshape(1)
+    return (operand(layer),) if sliding_window is None else (operand(layer), operand(sliding_window))
+
+
+def _window(lw_refs, windowed):
+    return lw_refs[1][0] if windowed else None
+
+
+def _head_norm(x, w_ref, col, swapped, eps):
+    """Per-head RMSNorm (Qwen3's, Gemma 3's q/k norm) of heads ``x = [rows, rows with halves swapped]``
+    ``[n, D]`` each, float32, with the gain ``w_ref [D]``."""
+    a, b = x
+    r = jax.lax.rsqrt(jnp.sum(a * a, axis=1, keepdims=True) / a.shape[1] + eps)
+    return [a * r * w_ref[col].astype(jnp.float32), b * r * w_ref[swapped].astype(jnp.float32)]
 
 
 def _combine(md, acc, m, l, out, *, group, num_heads, interpret):
@@ -332,36 +433,46 @@ def _combine(md, acc, m, l, out, *, group, num_heads, interpret):
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
-                           scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+                           scale: float, soft_cap: float | None = None, sliding_window=None,
                            num_splits: int | None = None, decode_block_k: int = 64,
                            decode_warps: int = 4, decode_stages: int = 3, decode_evict_first: bool = False,
-                           prefill_rows: int = 128, prefill_block_k: int | None = None,
-                           prefill_warps: int = 4, prefill_stages: int = 2,
+                           prefill_rows: int | None = None, prefill_block_k: int | None = None,
+                           prefill_warps: int | None = None, prefill_stages: int = 2,
                            interpret: bool = False) -> jax.Array:
     """Same contract as ``jaxinfer.paged.attention.ragged_paged_attention``; see the module docstring.
+    ``sliding_window``: None, an int or a traced int32 scalar.
 
     Tuning knobs (defaults from scripts/bench_kernels.py on an H200): ``num_splits`` (KV splits per
     decode sequence; default: enough programs to fill the GPU), ``*_block_k`` (key positions per
-    loop step, a multiple of the page size or the page size itself), warps and pipeline stages.
-    """
+    loop step, a multiple of the page size or the page size itself), warps and pipeline stages (both
+    reduced by ``_fit`` where shared memory runs out). ``prefill_rows``/``prefill_warps`` default to
+    128/4 up to head_dim 128 and 64/8 at 256, where 128 rows of float32 accumulator would spill
+    registers (256 per thread in 4 warps; the limit is 255)."""
     num_tokens, num_heads, head_dim = q.shape
+    rope_kv.check_head_dim(head_dim)
     _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs, pages_per_seq = md.page_table.shape
+    itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize)
     dec_rows = max(16, next_pow2(group))  # tl.dot wants >= 16 rows
     max_q_dec = dec_rows // group
-    pre_rows = max(prefill_rows, next_pow2(group))
+    big = head_dim > 128
+    pre_rows = max(prefill_rows or (64 if big else 128), next_pow2(group))
+    prefill_warps = prefill_warps or (8 if big else 4)
     ctx = pages_per_seq * page_size
 
-    dec_bk, num_splits, blocks_per_split = _decode_plan(md, page_size, num_kv_heads, num_splits, decode_block_k)
-    pre_bk = _key_block(prefill_block_k, page_size, ctx)
+    dec_bk, decode_stages, num_splits, blocks_per_split = _decode_plan(
+        md, page_size, num_kv_heads, num_splits, decode_block_k, decode_stages, sliding_window, rows=dec_rows,
+        head_dim=head_dim, itemsize=itemsize)
+    pre_bk, prefill_stages = _fit(_key_block(prefill_block_k, page_size, ctx), prefill_stages, rows=pre_rows,
+                                  head_dim=head_dim, itemsize=itemsize)
 
     num_rows = num_tokens * num_heads
     q_rows = q.reshape(num_rows, head_dim)  # free; kernels gather their rows
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    layer_arr = _layer_window(layer, sliding_window)
     page_table = jnp.clip(md.page_table, 0, num_pages - 1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    attend_kw = dict(page_size=page_size, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+    attend_kw = dict(page_size=page_size, scale=scale, soft_cap=soft_cap, windowed=sliding_window is not None,
                      precision=precision)
     # Token-addressed view of the stacked cache (a free reshape): [layers, pages * page_size, kv_heads, D].
     k_flat = k_cache.reshape(k_cache.shape[0], num_pages * page_size, num_kv_heads, head_dim)
@@ -382,7 +493,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      blocks_per_split=blocks_per_split, block_k=dec_bk, evict_first=decode_evict_first, **attend_kw)
     if num_splits == 1:
         out = decode(functools.partial(_decode_kernel, **decode_kw), out_shape=out_shape,
-                     input_output_aliases={len(scalars): 0})(*scalars, out)
+                     input_output_aliases={len(jax.tree.leaves(scalars)): 0})(*scalars, out)
     else:
         part = (num_seqs, num_kv_heads, num_splits, dec_rows)
         acc, m, l = decode(
@@ -406,7 +517,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         out = pl.pallas_call(
             functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk,
                               **attend_kw),
-            grid=(blk.seq.shape[0], num_kv_heads), out_shape=out_shape, input_output_aliases={11: 0},
+            grid=(blk.seq.shape[0], num_kv_heads), out_shape=out_shape,
+            input_output_aliases={len(layer_arr) + 10: 0},
             compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
             interpret=interpret,
             name="paged_prefill_gpu",
@@ -417,7 +529,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, cache: KVCache, layer,
                           md: BatchMetadata, *, num_heads: int, eps: float, scale: float,
-                          soft_cap: float | None = None, sliding_window: int | None = None,
+                          soft_cap: float | None = None, sliding_window=None, qkv_bias: jax.Array | None = None,
+                          q_norm: jax.Array | None = None, k_norm: jax.Array | None = None,
                           num_splits: int | None = None, decode_block_k: int = 64, decode_warps: int = 4,
                           decode_stages: int = 3, interpret: bool = False) -> tuple[jax.Array, KVCache]:
     """``rope_kv.rope_write_kv`` then ``ragged_paged_attention``, for a decode-only step (every
@@ -430,34 +543,47 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
     its RoPE)."""
     num_tokens, hidden = x.shape
     nl, num_pages, page_size, num_kv_heads, head_dim = cache.k.shape
+    rope_kv.check_head_dim(head_dim)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm are given together or not at all")
     group = num_heads // num_kv_heads
     num_seqs = md.page_table.shape[0]
     rows = max(16, next_pow2(group))
-    block_k, num_splits, blocks_per_split = _decode_plan(md, page_size, num_kv_heads, num_splits, decode_block_k)
+    itemsize = max(jnp.dtype(qkv.dtype).itemsize, jnp.dtype(cache.k.dtype).itemsize)
+    block_k, decode_stages, num_splits, blocks_per_split = _decode_plan(
+        md, page_size, num_kv_heads, num_splits, decode_block_k, decode_stages, sliding_window, rows=rows,
+        head_dim=head_dim, itemsize=itemsize)
     flat = (nl, num_pages * page_size, num_kv_heads, head_dim)
     cache_shapes = [jax.ShapeDtypeStruct(flat, cache.k.dtype), jax.ShapeDtypeStruct(flat, cache.v.dtype)]
+    args = [_layer_window(layer, sliding_window), jnp.clip(md.page_table, 0, num_pages - 1), md.seq_lens,
+            md.query_start, md.slot_mapping, jnp.asarray(inv_freq, jnp.float32), x.reshape(-1),
+            qkv.reshape(-1, head_dim)]
+    if qkv_bias is not None:
+        args.append(qkv_bias.reshape(-1, head_dim))
+    if q_norm is not None:
+        args += [q_norm, k_norm]
+    n = len(jax.tree.leaves(args))  # the caches follow, aliased to the last two outputs
     num_rows = num_tokens * num_heads
     out = jnp.zeros((num_rows, head_dim), qkv.dtype)
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
-        extra, aliases = (out,), {10: 0, 8: 1, 9: 2}
+        extra, aliases = (out,), {n + 2: 0, n: 1, n + 1: 2}
     else:
         part = (num_seqs, num_kv_heads, num_splits, rows)
         out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
-        extra, aliases = (), {8: 3, 9: 4}
+        extra, aliases = (), {n: 3, n + 1: 4}
     *res, k, v = pl.pallas_call(
         functools.partial(_rope_decode_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, hidden=hidden,
                           eps=eps, rows=rows, blocks_per_split=blocks_per_split, block_k=block_k,
-                          page_size=page_size, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                          page_size=page_size, scale=scale, soft_cap=soft_cap, windowed=sliding_window is not None,
+                          has_bias=qkv_bias is not None, has_norm=q_norm is not None,
                           precision=jax.lax.Precision.HIGHEST if qkv.dtype == jnp.float32 else None),
         grid=(num_seqs, num_kv_heads, num_splits), out_shape=out_shape + cache_shapes,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
         interpret=interpret, name="rope_paged_decode_gpu",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.clip(md.page_table, 0, num_pages - 1), md.seq_lens,
-      md.query_start, md.slot_mapping, jnp.asarray(inv_freq, jnp.float32), x.reshape(-1),
-      qkv.reshape(-1, head_dim), cache.k.reshape(flat), cache.v.reshape(flat), *extra)
+    )(*args, cache.k.reshape(flat), cache.v.reshape(flat), *extra)
     if num_splits == 1:
         (out,) = res
     else:

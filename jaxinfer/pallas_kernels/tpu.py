@@ -18,7 +18,9 @@ Design, and why:
 - Queries are regrouped per kv head as ``[kv_heads, tokens*group, head_dim]`` so each kv head does one
   ``(tokens*group, D) x (D, page_size)`` matmul; softmax state (m, l, acc) lives in VMEM scratch
   across page steps, and the output is written once at the last step.
-- The layer is a scalar-prefetched index into the stacked cache: no per-layer slice is copied.
+- The layer is a scalar-prefetched index into the stacked cache: no per-layer slice is copied. A
+  sliding window (static or traced: the scanned layer loop passes each layer's) is prefetched with
+  it; a block's first page step starts at its window, so pages before it are neither copied nor used.
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference.
 """
 
@@ -39,8 +41,8 @@ _MASK = -1e30  # finite, so fully masked rows never produce inf - inf
 
 def _kernel(layer_ref, pt_ref, seq_ref, pos0_ref, ntok_ref, lo_ref, hi_ref, first_ref, last_ref,
             q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *,
-            group, page_size, scale, soft_cap, sliding_window, precision):
-    del layer_ref, pt_ref, seq_ref  # used by the index maps only
+            group, page_size, scale, soft_cap, windowed, precision):
+    del pt_ref, seq_ref  # used by the index maps only
     b, j = pl.program_id(0), pl.program_id(1)
     num_kv_heads, rows, _ = q_ref.shape
 
@@ -57,8 +59,8 @@ def _kernel(layer_ref, pt_ref, seq_ref, pos0_ref, ntok_ref, lo_ref, hi_ref, firs
         row_pos = pos0_ref[b] + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 0) // group
         key_pos = page * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
         mask = (key_pos <= row_pos) & (key_pos >= lo_ref[b]) & (key_pos < hi_ref[b])
-        if sliding_window is not None:
-            mask &= key_pos > row_pos - sliding_window
+        if windowed:  # layer_ref is [layer, window]
+            mask &= key_pos > row_pos - layer_ref[1]
         for h in range(num_kv_heads):  # K/V of kv head h serve all `group` query heads in its rows
             q = q_ref[h]
             k = k_ref[:, h, :]
@@ -85,9 +87,10 @@ def _kernel(layer_ref, pt_ref, seq_ref, pos0_ref, ntok_ref, lo_ref, hi_ref, firs
 
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
-                           scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+                           scale: float, soft_cap: float | None = None, sliding_window=None,
                            tokens_per_block: int = 8, interpret: bool = False) -> jax.Array:
-    """Same contract as ``jaxinfer.paged.attention.ragged_paged_attention``; see the module docstring."""
+    """Same contract as ``jaxinfer.paged.attention.ragged_paged_attention``; see the module docstring.
+    ``sliding_window``: None, an int or a traced int32 scalar."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -109,6 +112,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     qb = qb.reshape(num_blocks, num_kv_heads, rows, head_dim)
 
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    if sliding_window is not None:
+        layer_arr = jnp.concatenate([layer_arr, jnp.asarray(sliding_window, jnp.int32).reshape(1)])
     page_table = jnp.clip(md.page_table, 0, num_pages - 1).reshape(-1)
 
     def kv_map(b, j, layer_r, pt, seq, pos0, ntok, lo, hi, fst, lst):
@@ -122,7 +127,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     q_spec = pl.BlockSpec((pl.squeezed, num_kv_heads, rows, head_dim), q_map)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, group=group, page_size=page_size, scale=scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, precision=precision)
+                               windowed=sliding_window is not None, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

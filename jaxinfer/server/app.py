@@ -26,14 +26,14 @@ log = logging.getLogger(__name__)
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
                max_request_bytes: int = 1 << 20, shutdown_timeout: float = 30.0) -> FastAPI:
-    """An app that starts ``engine``'s thread on startup and stops it on shutdown."""
+    """An app that starts ``engine``'s core process on startup and stops it on shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         if not await asyncio.to_thread(engine.shutdown, shutdown_timeout):
-            log.warning("the engine thread did not stop within %.0fs", shutdown_timeout)
+            log.warning("the engine core did not stop within %.0fs", shutdown_timeout)
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     serving = OpenAIServing(engine, served_model_name)
@@ -92,8 +92,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     async def models(request: Request):
         authorize(request)
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "jaxinfer"}
-        if engine.engine is not None:
-            card["max_model_len"] = engine.engine.max_model_len
+        if engine.max_model_len is not None:
+            card["max_model_len"] = engine.max_model_len
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

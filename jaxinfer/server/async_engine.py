@@ -1,57 +1,105 @@
-"""The engine on its own thread, so compiled steps never block the event loop.
+"""The HTTP side's handle on the engine core process (``engine_core.py``).
 
-Only the engine thread touches the ``LLMEngine`` after it is built. Handlers hand it commands
-through a deque and get outputs back on an ``asyncio.Queue`` per HTTP request, filled with
-``loop.call_soon_threadsafe`` (asyncio queues are not thread-safe). Admission control happens on
-the event-loop side, where a full waiting queue can be answered at once.
+The API process never touches an ``LLMEngine``: it validates and tokenizes prompts with the same
+``encode_prompt`` the engine uses, sends commands down a pipe from a sender thread, and a receiver
+thread hands each step's message to the event loop with ONE ``call_soon_threadsafe`` per step. There
+each sub-request's new text and tokens are appended to its ``_Choice`` and its submission is woken;
+a handler that reads slower than steps arrive finds several steps' worth merged into one output
+(one SSE event), so a slow reader costs one string per choice, not a queue that grows per token.
+Admission control (``max_waiting``) is answered on the event loop at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import itertools
 import logging
+import multiprocessing
+import queue
 import threading
 import time
 from typing import Callable
 
-from jaxinfer.batching.engine import LLMEngine, RequestOutput
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.batching.engine import RequestOutput, encode_prompt
+from jaxinfer.models.weights import resolve_model
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import engine_core
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.protocol import APIError
+from jaxinfer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class _Timing:
-    submission: "Submission"
+class _Choice:
+    """One sub-request as the front end sees it: everything so far, and what no reader has taken yet."""
+
+    request_id: str
+    prompt_token_ids: list[int]
     arrival: float
+    wants_logprobs: bool
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
     first_token: float | None = None
+    unread_chars: int = 0  # len(text) when a reader last took it
+    unread_tokens: int = 0
+
+    def take(self) -> RequestOutput:
+        """The output since the last take (several steps merged if the reader fell behind)."""
+        out = RequestOutput(self.request_id, self.prompt_token_ids, self.text, list(self.token_ids),
+                            self.finish_reason is not None, self.finish_reason, self.text[self.unread_chars:],
+                            self.token_ids[self.unread_tokens:], list(self.logprobs) if self.wants_logprobs else None,
+                            self.num_cached_tokens)
+        self.unread_chars, self.unread_tokens = len(self.text), len(self.token_ids)
+        return out
 
 
 class Submission:
-    """The sub-requests of one HTTP request (``n`` choices times prompts), sharing one output queue."""
+    """The sub-requests of one HTTP request (``n`` choices times prompts), woken together."""
 
-    def __init__(self, request_ids: list[str]):
-        self.request_ids = request_ids
-        self.unfinished = set(request_ids)
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, choices: list[_Choice]):
+        self.request_ids = [c.request_id for c in choices]
+        self.unfinished = set(self.request_ids)
+        self._choices = {c.request_id: c for c in choices}
+        self._dirty: dict[str, None] = {}  # ordered set of choices with unread output
+        self._error: APIError | None = None
+        self._wake = asyncio.Event()
+        self.hung_up = False  # the client went away: next() returns at once
 
-    def _put(self, item) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def _update(self, rid: str) -> None:  # event loop
+        self._dirty[rid] = None
+        self._wake.set()
 
-    async def next(self) -> RequestOutput:
-        """The next output of any sub-request; raises the APIError that ended the submission, if any."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item  # the siblings still in `unfinished` are aborted by AsyncEngine.release
-        if item.finished:
-            self.unfinished.discard(item.request_id)
-        return item
+    def _fail(self, error: APIError) -> None:  # event loop
+        if self._error is None:
+            self._error = error
+        self._wake.set()
+
+    def hang_up(self) -> None:  # event loop
+        self.hung_up = True
+        self._wake.set()
+
+    async def next(self) -> list[RequestOutput]:
+        """Outputs of the sub-requests that changed since the last call, one per sub-request; raises
+        the APIError that ended the submission, if any (the siblings are aborted by ``release``).
+        Returns [] once the client has hung up."""
+        while not self._dirty and self._error is None and not self.hung_up:
+            self._wake.clear()
+            await self._wake.wait()
+        outs = [self._choices[rid].take() for rid in self._dirty]
+        self._dirty.clear()
+        for out in outs:
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+        if not outs and self._error is not None:
+            raise self._error
+        return outs
 
     @property
     def done(self) -> bool:
@@ -59,28 +107,48 @@ class Submission:
 
 
 class AsyncEngine:
-    def __init__(self, build: Callable[[], LLMEngine], *, max_waiting: int,
-                 on_fatal: Callable[[BaseException], None] | None = None):
-        self._build = build
+    """Starts the engine core process and routes its per-step messages to submissions."""
+
+    def __init__(self, model: str, config: EngineConfig, *, max_waiting: int,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 distributed: tuple[str, int, int] | None = None):
+        self._model, self._config, self._distributed = model, config, distributed
         self._on_fatal = on_fatal
         self.max_waiting = max_waiting
-        self.engine: LLMEngine | None = None
         self.metrics = Metrics(lambda: self._stats)
         self.ready = threading.Event()
         self.warmup_seconds: float | None = None
         self.draining = False
-        self._stats: dict | None = None  # last engine.stats(), replaced whole by the engine thread
-        self._commands: collections.deque = collections.deque()
-        self._wake = threading.Event()
-        self._stop = False
+        self.tokenizer = None
+        self.max_model_len: int | None = None
+        self._vocab_size = 0
+        self._stats: dict | None = None  # the engine's last stats(), replaced whole per step
         self._ids = itertools.count()
         self._inflight = 0  # sub-requests submitted and not yet finished (event-loop side)
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._live: dict[str, tuple[_Choice, Submission]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._process = None
 
     # ---------------------------------------------------------------------------- event-loop side
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the core process and the threads that talk to it (call on the serving event loop)."""
+        self._loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX/CUDA state
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=engine_core.run, args=(self._model, self._config, cmd_recv, out_send, self._distributed),
+                                    name="engine-core", daemon=True)
+        self._process.start()
+        cmd_recv.close()
+        out_send.close()
+        threading.Thread(target=self._send_loop, args=(cmd_send,), name="engine-send", daemon=True).start()
+        threading.Thread(target=self._receive_loop, args=(out_recv,), name="engine-receive", daemon=True).start()
+
+    def encode(self, prompt) -> list[int]:
+        return encode_prompt(prompt, self.tokenizer, self._vocab_size, self.max_model_len)
 
     def submit(self, prefix: str, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
         """Queue one sub-request per (prompt, params) pair, or raise 503 at once if there is no room."""
@@ -97,101 +165,119 @@ class AsyncEngine:
         if waiting + count > self.max_waiting:
             raise APIError(503, f"the waiting queue is full ({waiting} requests waiting, max_waiting="
                                 f"{self.max_waiting}); retry later", type="server_error", code="queue_full")
-        ids = [f"{prefix}-{next(self._ids)}" for _ in prompts]
-        sub = Submission(ids)
-        self._inflight += count
         now = time.monotonic()
-        self._commands.extend(("add", rid, ids_, p, _Timing(sub, now)) for rid, ids_, p in zip(ids, prompts, params))
-        self._wake.set()
+        choices = [_Choice(f"{prefix}-{next(self._ids)}", ids, now, p.logprobs is not None)
+                   for ids, p in zip(prompts, params)]
+        sub = Submission(choices)
+        self._inflight += count
+        for c, ids, p in zip(choices, prompts, params):
+            self._live[c.request_id] = (c, sub)
+        self._outbox.put([("add", c.request_id, ids, p) for c, ids, p in zip(choices, prompts, params)])
         return sub
 
     def release(self, sub: Submission) -> None:
         """Call once per submission when its handler is done: aborts what did not finish (a client
         that went away) so its KV pages are freed, and frees its admission slots."""
-        for rid in sub.unfinished:
-            self._commands.append(("abort", rid))
+        aborts = [("abort", rid) for rid in sub.unfinished if self._live.pop(rid, None) is not None]
+        if aborts:
+            self._outbox.put(aborts)
         self._inflight -= len(sub.request_ids)
         sub.unfinished.clear()
-        self._wake.set()
 
     def shutdown(self, timeout: float | None = None) -> bool:
-        """Stop the thread, failing whatever is still queued or running; True if it exited in time."""
+        """Stop the core, failing whatever is still queued or running; True if it exited in time."""
         self.draining = True
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._process is None:
+            return True
+        if self._process.is_alive():
+            self._outbox.put([("stop",)])
+            self._stopped.wait(timeout)
+            self._process.join(timeout)
+        return not self._process.is_alive()
 
-    # ------------------------------------------------------------------------------ engine thread
+    def _on_step(self, deltas: list[engine_core.Delta], stats: dict) -> None:
+        now = time.monotonic()
+        for d in deltas:
+            entry = self._live.get(d.request_id)
+            if entry is None:
+                continue  # released (client gone) while this step ran
+            c, sub = entry
+            if c.first_token is None:
+                c.first_token = now
+            c.text += d.text
+            c.token_ids += d.token_ids
+            if d.logprobs is not None:
+                c.logprobs += d.logprobs
+            c.num_cached_tokens = d.num_cached_tokens
+            if d.finish_reason is not None:
+                c.finish_reason = d.finish_reason
+                del self._live[d.request_id]
+                self.metrics.observe(c.arrival, c.first_token, now, len(c.token_ids))
+            sub._update(d.request_id)
+        self._stats = stats
 
-    def _run(self) -> None:
-        t0 = time.monotonic()
-        try:
-            self.engine = self._build()
-            if self._stop:
+    def _on_error(self, rid: str | None, error: APIError) -> None:
+        """Fail one sub-request's submission, or every live one (rid None)."""
+        rids = list(self._live) if rid is None else [rid]
+        for r in rids:
+            entry = self._live.pop(r, None)
+            if entry is not None:
+                entry[1]._fail(error)
+
+    # ------------------------------------------------------------------------------ pipe threads
+
+    def _send_loop(self, conn) -> None:
+        """Batch whatever commands piled up into one pipe message (blocking here, never on the loop)."""
+        while True:
+            batch = self._outbox.get()
+            while not self._outbox.empty():
+                batch += self._outbox.get_nowait()
+            try:
+                conn.send(batch)
+            except (BrokenPipeError, OSError):
                 return
-            self.warmup_seconds = self.engine.warmup()
+            if batch[-1] == ("stop",):
+                return
+
+    def _receive_loop(self, conn) -> None:
+        try:
+            self.tokenizer = load_tokenizer(resolve_model(self._model))  # while the core warms up
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    break
+                kind = msg[0]
+                if kind == "step":
+                    self._loop.call_soon_threadsafe(self._on_step, msg[1], msg[2])
+                elif kind == "error":
+                    self._loop.call_soon_threadsafe(self._on_error, msg[1], APIError(msg[2], msg[3]) if msg[2] == 400
+                                                    else APIError(msg[2], msg[3], type="server_error"))
+                elif kind == "ready":
+                    info = msg[1]
+                    self.max_model_len, self._vocab_size = info["max_model_len"], info["vocab_size"]
+                    self.warmup_seconds, self._stats = info["warmup_seconds"], info["stats"]
+                    self.ready.set()
+                elif kind == "stopped":
+                    self._stats = msg[1]
+                    break
+                elif kind == "fatal":
+                    raise RuntimeError(f"the engine failed to start: {msg[1]}")
         except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
-            log.exception("engine failed to start")
-            if self._on_fatal:
+            log.error("%s", e)
+            if self._on_fatal and not self.ready.is_set():
                 self._on_fatal(e)
-            return
-        log.info("ready in %.1fs: model loaded, %d step shapes compiled in %.1fs", time.monotonic() - t0,
-                 self.engine.num_compilations, self.warmup_seconds)
-        self._stats = self.engine.stats()
-        self.ready.set()
-        timings: dict[str, _Timing] = {}
-        while not self._stop:
-            self._wake.clear()
-            self._apply_commands(timings)
-            if not self.engine.has_unfinished():
-                self._wake.wait()
-                continue
+        finally:
+            self._stopped.set()
+        error = APIError(503, "the server shut down before this request finished", type="server_error",
+                         code="shutting_down")
+        if not self.draining:  # the core died under us: fail everything and stop serving
+            error = APIError(500, "the engine process exited", type="server_error")
+            log.error("the engine core process exited unexpectedly")
+            if self._on_fatal and self.ready.is_set():
+                self._on_fatal(RuntimeError("the engine core process exited"))
+        if not self._loop.is_closed():
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
-                log.exception("engine step failed")
-                self._fail_all(timings, APIError(500, f"engine step failed: {e}", type="server_error"))
-                continue
-            now = time.monotonic()
-            for out in outputs:
-                t = timings.get(out.request_id)
-                if t is None:
-                    continue
-                if t.first_token is None:
-                    t.first_token = now
-                if out.finished:
-                    del timings[out.request_id]
-                    self.metrics.observe(t.arrival, t.first_token, now, len(out.token_ids))
-                t.submission._put(out)
-            self._stats = self.engine.stats()
-        self._apply_commands(timings)
-        self._fail_all(timings, APIError(503, "the server shut down before this request finished",
-                                         type="server_error", code="shutting_down"))
-
-    def _apply_commands(self, timings: dict[str, _Timing]) -> None:
-        applied = False
-        while self._commands:
-            cmd = self._commands.popleft()
-            applied = True
-            if cmd[0] == "abort":
-                if timings.pop(cmd[1], None) is not None:
-                    self.engine.abort(cmd[1])
-                continue
-            _, rid, prompt, params, timing = cmd
-            try:
-                self.engine.add_request(rid, prompt, params)
-            except (ValueError, TypeError) as e:
-                timing.submission._put(APIError(400, str(e)))
-                continue
-            timings[rid] = timing
-        if applied:
-            self._stats = self.engine.stats()
-
-    def _fail_all(self, timings: dict[str, _Timing], error: APIError) -> None:
-        for rid, t in list(timings.items()):
-            self.engine.abort(rid)
-            t.submission._put(error)
-        timings.clear()
-        self._stats = self.engine.stats()
+                self._loop.call_soon_threadsafe(self._on_error, None, error)
+            except RuntimeError:
+                pass  # the loop closed meanwhile

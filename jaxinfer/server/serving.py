@@ -56,7 +56,7 @@ class OpenAIServing:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions with "
                                 "token ids", param="messages")
@@ -91,7 +91,7 @@ class OpenAIServing:
 
     def _encode(self, prompt, param: str) -> list[int]:
         try:
-            return self.engine.engine.encode(prompt)
+            return self.engine.encode(prompt)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"{param}: {e}", param=param,
                            code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
@@ -100,7 +100,7 @@ class OpenAIServing:
              explicit: bool, logprobs: int | None, logprobs_param: str = "logprobs") -> _Job:
         """Without max_tokens a request may use the rest of the context; a default (not an explicit
         value) is clipped to it, while an explicit value that does not fit is an error."""
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.max_model_len
         choice_prompts, params = [], []
         for ids in prompts:
             room = limit - len(ids)
@@ -191,16 +191,20 @@ class _EventStream(StreamingResponse):
 
 
 async def _outputs(sub: Submission, request: Request) -> AsyncIterator[RequestOutput]:
-    """The submission's outputs until all sub-requests finish, or until the client disconnects."""
+    """The submission's outputs until all sub-requests finish, or until the client disconnects.
+
+    Each wake-up yields what accumulated since the last one, so a stream that is read slowly gets
+    fewer, larger events rather than a backlog. The disconnect watcher wakes the submission itself,
+    so waiting costs one await per wake-up, not a future and an ``asyncio.wait`` per output."""
     gone = asyncio.ensure_future(_disconnect(request))
+    gone.add_done_callback(lambda _: sub.hang_up())
     try:
         while not sub.done:
-            nxt = asyncio.ensure_future(sub.next())
-            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                nxt.cancel()
+            outs = await sub.next()
+            if sub.hung_up:
                 return
-            yield nxt.result()
+            for out in outs:
+                yield out
     finally:
         gone.cancel()
 
@@ -222,7 +226,7 @@ def _is_ids(prompt) -> bool:
 
 class _Renderer:
     def __init__(self, serving: OpenAIServing, req):
-        tok = serving.engine.engine.tokenizer
+        tok = serving.engine.tokenizer
         self._decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: f"<{t}>")
         self.req = req
 

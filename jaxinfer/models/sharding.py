@@ -1,0 +1,360 @@
+"""A model over a device mesh: the one place where the spec's logical axes meet mesh axes.
+
+The mesh has two axes, ``dp`` (replicas) and ``tp`` (tensor parallel). ``RULES`` maps logical axes
+(``models.spec``) to mesh axes: attention heads, the MLP hidden dimension, experts and the vocabulary
+go over ``tp``; everything else is replicated. A leaf takes the rule of its first axis that has one
+and whose size ``tp`` divides (an expert stack ``[experts, mlp, embed]`` is split by expert; a
+vocabulary that ``tp`` does not divide stays whole). Layers are then Megatron-style: Q/K/V and
+gate/up column-parallel, the output and down projections row-parallel (one all-reduce each, which
+GSPMD inserts for ``wo`` and the per-device blocks below do with ``psum``).
+
+Fused tensors are laid out per device (``shard_layout``): device i's rows of ``wqkv`` are its own
+query heads, then its KV heads, then their values (and gate/up likewise), so a device holds whole
+heads and the per-device code sees the same fused contract as one device, only with fewer heads.
+Where ``tp`` exceeds the KV heads, each device stores a copy of the one KV head its query heads use,
+as vLLM does: the cache then has ``tp`` KV heads (``kv_heads``), one per device.
+
+Attention (reference or Pallas kernels) and the feed-forward blocks run per device under
+``shard_map`` (``sharded_ops``): the same functions on each device's heads, experts or hidden slice,
+nothing re-implemented. The rest of the step (embedding, norms, ``wo``, logits and sampling) is left to
+GSPMD from the weights' shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.layers import Ops, moe_partial
+from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, arrange_layers, init_dummy_weights, param_spec
+from jaxinfer.paged.kv_cache import KVCache
+
+DP, TP = "dp", "tp"
+# Logical axis -> mesh axis (the only such table). Unlisted axes are replicated.
+RULES = {"vocab": TP, "qkv": TP, "q_heads": TP, "mlp": TP, "experts": TP}
+# Leaves every device needs whole: the router's logits are a softmax over all experts (and it is
+# small: experts x hidden).
+REPLICATED = ("router",)
+_KV_SPEC = P(None, None, None, TP, None)  # [layers, pages, page_size, kv_heads, head_dim]
+
+
+# ------------------------------------------------------------------------------------- the mesh
+
+def tensor_parallel_problem(config: ModelConfig, tp: int) -> str | None:
+    """Why ``config`` cannot be split ``tp`` ways (None: it can)."""
+    h, kvh = config.num_heads, config.num_kv_heads
+    if h % tp:
+        return f"num_heads={h} is not divisible by {tp}"
+    if kvh % tp and tp % kvh:
+        return f"num_kv_heads={kvh} neither divides nor is divisible by {tp}"
+    if config.num_experts:
+        if config.num_experts % tp:
+            return f"num_experts={config.num_experts} is not divisible by {tp}"
+        if config.shared_expert_intermediate_size % tp:
+            return f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} is not divisible by {tp}"
+    elif config.intermediate_size % tp:
+        return f"intermediate_size={config.intermediate_size} is not divisible by {tp}"
+    return None
+
+
+def make_mesh(config: ModelConfig, tensor_parallel: int = 1, data_parallel: int = 1, devices=None) -> Mesh | None:
+    """The ``(dp, tp)`` mesh over ``devices`` (default: all of them, every process's), or None for
+    one device (``1 x 1``: the single-device step, unchanged). Otherwise ``data_parallel *
+    tensor_parallel`` must be the device count and ``tensor_parallel`` must split the model; the
+    error names the sizes that would work."""
+    devices = jax.devices() if devices is None else list(devices)
+    n = len(devices)
+    for name, v in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    valid_tp = [tp for tp in range(1, n + 1) if n % tp == 0 and tensor_parallel_problem(config, tp) is None]
+    pairs = ", ".join(f"{n // tp} x {tp}" for tp in valid_tp)
+    if tensor_parallel > n:
+        raise ValueError(f"tensor_parallel={tensor_parallel} exceeds the {n} devices; valid tensor_parallel "
+                         f"sizes for this model here: {valid_tp}")
+    problem = tensor_parallel_problem(config, tensor_parallel)
+    if problem:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not split the model ({problem}); valid "
+                         f"tensor_parallel sizes for this model on {n} devices: {valid_tp}")
+    if tensor_parallel * data_parallel == 1:
+        return None
+    if tensor_parallel * data_parallel != n:
+        raise ValueError(f"data_parallel * tensor_parallel ({data_parallel} * {tensor_parallel}) must equal the "
+                         f"device count {n}; valid data_parallel x tensor_parallel: {pairs}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(data_parallel, tensor_parallel), (DP, TP))
+
+
+def replica_mesh(config: ModelConfig, tensor_parallel: int, data_parallel: int, replica: int = 0,
+                 devices=None) -> Mesh | None:
+    """Row ``replica`` of ``make_mesh``'s mesh: the ``1 x tensor_parallel`` devices one model replica
+    runs on (None for ``1 x 1``: one device, the unchanged single-device step)."""
+    mesh = make_mesh(config, tensor_parallel, data_parallel, devices)
+    if not 0 <= replica < data_parallel:
+        raise ValueError(f"replica must be in [0, data_parallel={data_parallel}), got {replica}")
+    return None if mesh is None else Mesh(mesh.devices[replica:replica + 1], (DP, TP))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[TP]
+
+
+def kv_heads(config: ModelConfig, tp: int) -> int:
+    """KV heads the cache stores: the model's, or one per device where ``tp`` exceeds them."""
+    return max(config.num_kv_heads, tp)
+
+
+# ------------------------------------------------------------------------------ weight layout
+
+def _fused_rows(config: ModelConfig, s: ParamSpec, tp: int) -> np.ndarray:
+    """Source rows along a fused leaf's fused axis, in per-device order (KV heads repeated where
+    ``tp`` exceeds them)."""
+    parts = dict(s.fused)
+    if "q" in parts:
+        hd, h, kvh = config.head_dim, config.num_heads, config.num_kv_heads
+        heads = np.arange(h * hd).reshape(tp, -1)
+        kv_of = (np.arange(kv_heads(config, tp)) * kvh // kv_heads(config, tp)).reshape(tp, -1)
+        k = (h + kv_of[..., None]) * hd + np.arange(hd)
+        v = k + kvh * hd
+        return np.concatenate([heads, k.reshape(tp, -1), v.reshape(tp, -1)], axis=1).ravel()
+    f = parts["gate"]
+    gate = np.arange(f).reshape(tp, -1)
+    return np.concatenate([gate, gate + f], axis=1).ravel()
+
+
+def _mesh_axes(name: str, s: ParamSpec, shape: tuple[int, ...], tp: int) -> tuple[str | None, ...]:
+    """The spec's axes mapped by ``RULES``: the first mappable axis that ``tp`` divides."""
+    out: list[str | None] = [None] * len(shape)
+    if name in REPLICATED or tp == 1:
+        return tuple(out)
+    for i, axis in enumerate(s.axes):
+        if RULES.get(axis) == TP and shape[i] % tp == 0:
+            out[i] = TP
+            break
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How each leaf of ``Weights`` is laid out over a ``tp``-way mesh: the rows a fused leaf takes
+    from the checkpoint's tensor (None: as is), its stored shape and its mesh axes."""
+
+    rows: np.ndarray | None
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    fused_axis: int | None = None  # the axis ``rows`` index
+
+
+@functools.lru_cache(maxsize=8)
+def layouts(config: ModelConfig, tp: int) -> tuple[dict[str, Layout], dict[str, Layout]]:
+    """(globals, one layer's leaves) -> their ``Layout`` (shapes without the stacked layers axis)."""
+    spec: ModelSpec = param_spec(config)
+
+    def one(name: str, s: ParamSpec) -> Layout:
+        axes = _mesh_axes(name, s, s.shape, tp)
+        if s.fused is None or tp == 1 or axes[_fused_axis(s)] != TP:
+            return Layout(None, s.shape, axes)
+        i, rows = _fused_axis(s), _fused_rows(config, s, tp)
+        return Layout(rows, s.shape[:i] + (len(rows),) + s.shape[i + 1:], axes, i)
+
+    return ({n: one(n, s) for n, s in spec.globals.items()}, {n: one(n, s) for n, s in spec.layer.items()})
+
+
+def _map_leaves(weights: Weights, fn_global, fn_layer) -> Weights:
+    """``weights`` with each global replaced by ``fn_global(name, leaf)`` and each layer leaf by
+    ``fn_layer(name, leaf, stacked)``."""
+    stacked = not isinstance(weights.layers, list)
+    layers = ({n: fn_layer(n, a, True) for n, a in weights.layers.items()} if stacked
+              else [{n: fn_layer(n, a, False) for n, a in lw.items()} for lw in weights.layers])
+    return Weights(embed=fn_global("embed", weights.embed), layers=layers,
+                   final_norm=fn_global("final_norm", weights.final_norm),
+                   lm_head=None if weights.lm_head is None else fn_global("lm_head", weights.lm_head))
+
+
+def _fused_axis(s: ParamSpec) -> int:
+    """The axis a fused leaf's parts lie along (an expert stack's gate|up is along ``mlp``, after
+    ``experts``)."""
+    return next(i for i, a in enumerate(s.axes) if a in ("qkv", "mlp"))
+
+
+def shard_layout(weights: Weights, config: ModelConfig, tp: int) -> Weights:
+    """``weights`` (checkpoint layout; numpy or jax leaves) with fused leaves reordered per device."""
+    if tp == 1:
+        return weights
+    _, lay = layouts(config, tp)
+
+    def layer(name, a, stacked):
+        lo = lay[name]
+        if lo.rows is None:
+            return a
+        xp = np if isinstance(a, np.ndarray) else jnp
+        return xp.take(a, lo.rows, axis=lo.fused_axis + int(stacked))
+
+    return _map_leaves(weights, lambda n, a: a, layer)
+
+
+def weight_shardings(config: ModelConfig, mesh: Mesh, stacked: bool) -> Weights:
+    """``NamedSharding`` of every leaf (a ``Weights`` of shardings) for ``layer_loop`` scan
+    (``stacked``) or unroll."""
+    glob, lay = layouts(config, mesh.shape[TP])
+    ns = lambda axes: NamedSharding(mesh, P(*axes))  # noqa: E731
+    layer = {n: ns(((None,) if stacked else ()) + l.axes) for n, l in lay.items()}
+    return Weights(embed=ns(glob["embed"].axes), layers=layer if stacked else [layer] * config.num_layers,
+                   final_norm=ns(glob["final_norm"].axes),
+                   lm_head=ns(glob["lm_head"].axes) if "lm_head" in glob else None)
+
+
+def abstract_sharded_weights(config: ModelConfig, mesh: Mesh, dtype) -> Weights:
+    """The sharded weights as ``jax.ShapeDtypeStruct`` leaves: nothing allocated (planning)."""
+    glob, lay = layouts(config, mesh.shape[TP])
+    stacked = config.layer_loop == "scan"
+    sh = weight_shardings(config, mesh, stacked)
+    lead = (config.num_layers,) if stacked else ()
+
+    def sds(shape, sharding):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    layer_sh = sh.layers if stacked else sh.layers[0]
+    layer = {n: sds(lead + l.shape, layer_sh[n]) for n, l in lay.items()}
+    return Weights(embed=sds(glob["embed"].shape, sh.embed),
+                   layers=layer if stacked else [layer] * config.num_layers,
+                   final_norm=sds(glob["final_norm"].shape, sh.final_norm),
+                   lm_head=sds(glob["lm_head"].shape, sh.lm_head) if "lm_head" in glob else None)
+
+
+def place_weights(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
+    """Checkpoint-layout weights laid out per device and placed in their shards."""
+    sh = weight_shardings(config, mesh, not isinstance(weights.layers, list))
+    return jax.jit(lambda w: shard_layout(w, config, mesh.shape[TP]), out_shardings=sh)(weights)
+
+
+def place_host_leaf(name: str, array: np.ndarray, config: ModelConfig, mesh: Mesh, is_global: bool) -> jax.Array:
+    """One leaf (a global, or one layer's) from host memory straight into its shards: each device
+    receives only its slice (``jax.make_array_from_callback``), laid out per device."""
+    glob, lay = layouts(config, mesh.shape[TP])
+    lo = (glob if is_global else lay)[name]
+    if lo.rows is not None:
+        array = np.take(array, lo.rows, axis=lo.fused_axis)
+    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P(*lo.axes)), lambda idx: array[idx])
+
+
+def stack_layers(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
+    """Placed per-layer weights stacked for the scanned loop, staying in their shards."""
+    return jax.jit(lambda w: arrange_layers(w, config), out_shardings=weight_shardings(config, mesh, True))(weights)
+
+
+def checkpoint_shardings(config: ModelConfig, mesh: Mesh, stacked: bool) -> Weights:
+    """Shardings of the checkpoint's own (not per-device) layout, for restoring a saved checkpoint
+    split over the mesh before ``place_weights`` lays it out (fused leaves split where they divide)."""
+    tp = mesh.shape[TP]
+    spec = param_spec(config)
+    ns = lambda name, s: NamedSharding(mesh, P(*(((None,) if stacked and name in spec.layer else ())  # noqa: E731
+                                                + _mesh_axes(name, s, s.shape, tp))))
+    layer = {n: ns(n, s) for n, s in spec.layer.items()}
+    return Weights(embed=ns("embed", spec.globals["embed"]), layers=layer if stacked else [layer] * config.num_layers,
+                   final_norm=ns("final_norm", spec.globals["final_norm"]),
+                   lm_head=ns("lm_head", spec.globals["lm_head"]) if "lm_head" in spec.globals else None)
+
+
+def dummy_weights(config: ModelConfig, key: jax.Array, dtype, mesh: Mesh) -> Weights:
+    """``spec.init_dummy_weights`` (the same values) made directly in their shards."""
+    sh = weight_shardings(config, mesh, config.layer_loop == "scan")
+    make = lambda k: shard_layout(init_dummy_weights(config, k, dtype), config, mesh.shape[TP])  # noqa: E731
+    return jax.jit(make, out_shardings=sh)(key)
+
+
+def cache_sharding(mesh: Mesh) -> KVCache:
+    s = NamedSharding(mesh, _KV_SPEC)
+    return KVCache(s, s)
+
+
+def zeros_cache(config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, dtype) -> KVCache:
+    """The KV pool made in its shards (never whole on one device)."""
+    make = functools.partial(KVCache.zeros, config.num_layers, num_pages, page_size,
+                             kv_heads(config, mesh.shape[TP]), config.head_dim, dtype)
+    return jax.jit(make, out_shardings=cache_sharding(mesh))()
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes of ``tree``'s arrays held by each device (from the arrays' own shards)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+# ------------------------------------------------------------------------------ per-device ops
+
+# Per-argument partition specs of the ops' contracts (``layers.Ops``); any other array is replicated.
+_ARG_SPECS = {"qkv": P(None, TP), "q": P(None, TP, None), "qkv_bias": P(TP), "cache": KVCache(_KV_SPEC, _KV_SPEC),
+              "k_cache": _KV_SPEC, "v_cache": _KV_SPEC}
+
+
+def _per_device(mesh: Mesh, fn, names: tuple[str, ...], out_specs, args: tuple, kwargs: dict):
+    """``fn(*args, **kwargs)`` under ``shard_map``: arrays (and pytrees of them) split by
+    ``_ARG_SPECS`` (positional ones named by ``names``); Python values and None closed over."""
+    bound = dict(zip(names, args)) | kwargs
+    traced = {k: v for k, v in bound.items() if v is not None and jax.tree.leaves(v)
+              and not isinstance(v, (bool, int, float))}
+    static = {k: v for k, v in bound.items() if k not in traced}
+    specs = {k: _ARG_SPECS.get(k, P()) for k in traced}
+
+    def local(traced):
+        return fn(**static, **traced)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)(traced)
+
+
+def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
+    """``ops`` run per device on its heads (attention), hidden slice (MLP) or experts (MoE)."""
+    tp = mesh.shape[TP]
+    h_local, kv_local = config.num_heads // tp, kv_heads(config, tp) // tp
+    cache_spec = _ARG_SPECS["cache"]
+    out_heads = P(None, TP, None)
+
+    def rope_write_kv(*args, num_heads, num_kv_heads, **kw):
+        names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "slot_mapping")
+        return _per_device(mesh, functools.partial(ops.rope_write_kv, num_heads=h_local, num_kv_heads=kv_local),
+                           names, (out_heads, cache_spec), args, kw)
+
+    def attention(*args, **kw):
+        return _per_device(mesh, ops.attention, ("q", "k_cache", "v_cache", "layer", "md"), out_heads, args, kw)
+
+    decode_attention = None
+    if ops.decode_attention is not None:
+        def decode_attention(*args, num_heads, **kw):
+            names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "md")
+            return _per_device(mesh, functools.partial(ops.decode_attention, num_heads=h_local), names,
+                               (out_heads, cache_spec), args, kw)
+
+    def mlp(x, w_gate_up, w_down, r, act):
+        def local(x, w_gate_up, w_down, r):
+            y = ops.mlp(x, w_gate_up, w_down, r, act)
+            return jax.lax.psum(y.astype(jnp.float32), TP).astype(x.dtype)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(TP, None), P(None, TP), P()), out_specs=P(),
+                             check_vma=False)(x, w_gate_up, w_down, r)
+
+    _, lay = layouts(config, tp)
+
+    def moe(x, r, lw, config_):
+        specs = {n: P(*lay[n].axes) for n in lw}
+
+        def local(x, r, lw):
+            first = jax.lax.axis_index(TP) * (config_.num_experts // tp)
+            return jax.lax.psum(moe_partial(x, r, lw, config_, first), TP).astype(x.dtype)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P(), check_vma=False)(x, r, lw)
+
+    # The reference path's deferred cache write (``Ops.defer_kv_write``) is an XLA:CPU one-device
+    # fix; per device the K/V would need their own shard_map specs, so a mesh writes per layer.
+    return dataclasses.replace(ops, rope_write_kv=rope_write_kv, attention=attention,
+                               decode_attention=decode_attention, mlp=mlp, moe=moe, defer_kv_write=False)

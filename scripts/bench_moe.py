@@ -1,0 +1,95 @@
+"""One layer's routed experts at batch 1 (Mixtral-8x7B shapes, bf16): the ways to apply k of E
+experts to one token, timed against each other; the useful bytes are the k experts' weights.
+
+    python scripts/bench_moe.py            # writes $OUT/moe_bench.json (or /tmp/moe_bench.json)
+
+What it settled (docs/benchmarks.md, "Model families on one H200"): float32 row reductions over the
+gathered experts, which XLA fuses, stream the chosen experts at the read bandwidth; a gathered dot
+copies them first, and ``ragged_dot``'s GPU lowering is slow at a few rows.
+"""
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+E, F, D, K = 8, 14336, 4096, 2
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+def act(g, u):
+    return (jax.nn.silu(g) * u).astype(bf16)
+
+
+@jax.jit
+def gather_dot(x, experts, gu, dn):
+    flat, rows = experts.reshape(-1), jnp.repeat(x, K, 0)
+    g, u = jnp.split(jnp.einsum("rd,rfd->rf", rows, gu[flat], preferred_element_type=f32), 2, -1)
+    return jnp.einsum("rf,rdf->rd", act(g, u), dn[flat], preferred_element_type=f32)
+
+
+@jax.jit
+def slice_dot(x, experts, gu, dn):
+    outs = []
+    for j in range(K):
+        e = experts[0, j]
+        h = jnp.einsum("d,fd->f", x[0], jax.lax.dynamic_index_in_dim(gu, e, keepdims=False), preferred_element_type=f32)
+        g, u = jnp.split(h, 2, -1)
+        w2 = jax.lax.dynamic_index_in_dim(dn, e, keepdims=False)
+        outs.append(jnp.einsum("f,df->d", act(g, u), w2, preferred_element_type=f32))
+    return jnp.stack(outs)
+
+
+@jax.jit
+def ragged(x, experts, gu, dn):
+    flat = experts.reshape(-1)
+    order, sizes = jnp.argsort(flat), jnp.bincount(flat, length=E).astype(jnp.int32)
+    rows = jnp.repeat(x, K, 0)[order]
+    h = jax.lax.ragged_dot(rows, jnp.swapaxes(gu, 1, 2), sizes, preferred_element_type=f32)
+    g, u = jnp.split(h, 2, -1)
+    o = jax.lax.ragged_dot(act(g, u), jnp.swapaxes(dn, 1, 2), sizes, preferred_element_type=f32)
+    return jnp.zeros_like(o).at[order].set(o)
+
+
+@jax.jit
+def all_experts(x, experts, gu, dn):  # reads every expert: what a dense layer would cost
+    g, u = jnp.split(jnp.einsum("d,efd->ef", x[0], gu, preferred_element_type=f32), 2, -1)
+    return jnp.einsum("ef,edf->ed", act(g, u), dn, preferred_element_type=f32)[experts[0]]
+
+
+@jax.jit
+def row_reductions(x, experts, gu, dn):  # what jaxinfer.models.layers.moe_partial runs on GPU
+    flat, rows = experts.reshape(-1), jnp.repeat(x, K, 0)
+    g, u = jnp.split(jnp.sum(rows[:, None, :].astype(f32) * gu[flat].astype(f32), -1), 2, -1)
+    return jnp.sum(act(g, u)[:, None, :].astype(f32) * dn[flat].astype(f32), -1)
+
+
+def main():
+    key = jax.random.key(0)
+    gu = jax.random.normal(key, (E, 2 * F, D), bf16) * 0.01
+    dn = jax.random.normal(key, (E, D, F), bf16) * 0.01
+    x = jax.random.normal(key, (1, D), bf16)
+    experts = jnp.array([[3, 6]], jnp.int32)
+    useful = K * 3 * F * D * 2  # bytes of the k experts' gate, up and down
+    results, ref = {}, None
+    for fn in (gather_dot, slice_dot, ragged, all_experts, row_reductions):
+        out = fn(x, experts, gu, dn).block_until_ready()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(50):
+                out = fn(x, experts, gu, dn)
+            out.block_until_ready()
+            best = min(best, (time.perf_counter() - t) / 50)
+        ref = out if ref is None else ref
+        results[fn.__name__] = dict(us=best * 1e6, tb_s=useful / best / 1e12,
+                                    max_abs_diff_vs_first=float(jnp.max(jnp.abs(out - ref))))
+        print(f"{fn.__name__:<16} {best * 1e6:9.1f} us {useful / best / 1e12:6.2f} TB/s", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "moe_bench.json"), "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, **results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The engine flags of the server (sizes, buckets, KV pool), shared by serve.py and bench_serving.py so
+that a benchmark's server and its offline peer run exactly the same ``EngineConfig``. Importing this
+module defines them (next to model_flags'); a script adopts them with ``flags.adopt_module_key_flags``.
+
+The defaults are sized for a small CPU: every step shape is compiled before the server is ready.
+Unset bucket flags leave the buckets to the engine, which picks them per backend (few, coarse ones
+on CPU; ``model_runner.default_buckets``).
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+import model_flags  # defines --model, --load_format, --dtype, --compilation_cache_dir, parallel sizes
+
+flags.DEFINE_integer("max_num_seqs", 16, "Most sequences computed together in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 128, "Token budget of one step (prefill chunks plus decodes).")
+flags.DEFINE_integer("max_model_len", 1024, "Longest prompt plus completion, in tokens.")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.")
+flags.DEFINE_integer("num_pages", None, "KV pool size in pages (default: derived from memory).")
+flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache.")
+flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
+flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: the engine's; on CPU "
+                  "1, 16, x4, ... up to --max_num_batched_tokens).")
+flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, x4, ... up "
+                  "to --max_num_seqs).")
+flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
+                  "up to max_model_len / page_size).")
+F = flags.FLAGS
+
+# The flags that pass through unchanged to scripts/serve.py when a benchmark launches it.
+NAMES = ("model", "load_format", "dtype", "compilation_cache_dir", "max_num_seqs", "max_num_batched_tokens",
+         "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching",
+         "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel")
+
+
+def buckets(values: list[str] | None) -> tuple[int, ...] | None:
+    """The given sizes, or None: the engine's defaults for its backend."""
+    return tuple(int(v) for v in values) if values else None
+
+
+def engine_config():
+    """The EngineConfig the flags describe."""
+    from jaxinfer.batching.config import EngineConfig
+
+    return EngineConfig(
+        page_size=F.page_size, num_pages=F.num_pages, kv_cache_memory_fraction=F.kv_cache_memory_fraction,
+        max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens,
+        max_model_len=F.max_model_len, dtype=F.dtype, load_format=F.load_format,
+        enable_prefix_caching=F.enable_prefix_caching, compilation_cache_dir=F.compilation_cache_dir,
+        token_buckets=buckets(F.token_buckets), seq_buckets=buckets(F.seq_buckets),
+        page_buckets=buckets(F.page_buckets), **model_flags.parallel_options())
+
+
+def command_line() -> list[str]:
+    """These flags as scripts/serve.py arguments (those left at None are left out)."""
+    args = []
+    for name in NAMES:
+        value = F[name].value
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = ",".join(value)
+        args.append(f"--{name}={str(value).lower() if isinstance(value, bool) else value}")
+    return args

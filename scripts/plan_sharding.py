@@ -1,0 +1,101 @@
+"""Plan a sharded model without the memory for it: lower and compile one engine step of ``--model``
+over ``--tensor_parallel`` devices from abstract shapes (``jax.ShapeDtypeStruct`` with shardings,
+nothing allocated), and report each device's bytes from the compiled executable's memory analysis.
+
+    python scripts/plan_sharding.py --model llama3-70b --tensor_parallel 8 --out $OUT/plan_70b.json
+
+With ``--host_devices`` (the default) it plans on ``--tensor_parallel`` forced CPU host devices,
+so llama3-70b on 8 devices is planned on any machine; ``--nohost_devices`` uses the real devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "llama3-70b", "Preset name, local Hugging Face directory or .gguf file (its config).")
+flags.DEFINE_integer("tensor_parallel", 8, "Devices the model is split over.")
+flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Weights and KV cache dtype.")
+flags.DEFINE_integer("num_pages", 2048, "KV pool pages (the pool every device holds its KV heads of).")
+flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+flags.DEFINE_integer("tokens", 256, "Tokens of the planned step (its token bucket).")
+flags.DEFINE_integer("seqs", 32, "Sequences of the planned step.")
+flags.DEFINE_integer("pages_per_seq", 256, "Pages per sequence of the planned step.")
+flags.DEFINE_string("out", "results/plan_sharding.json", "Where to write the JSON report.")
+flags.DEFINE_boolean("host_devices", True, "Plan on --tensor_parallel forced CPU host devices.")
+F = flags.FLAGS
+
+GIB = 2**30
+
+
+def main(argv):
+    del argv
+    if F.host_devices:  # before JAX starts (nothing above imports it)
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={F.tensor_parallel}"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.batching.model_runner import Buckets, ModelRunner, pack_inputs
+    from jaxinfer.models import sharding
+    from jaxinfer.models.layers import Ops
+    from jaxinfer.models.weights import load_config, resolve_model
+    from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+    from jaxinfer.pallas_kernels import get_kernels
+    from jaxinfer.sampling import SamplingBatch
+
+    config = load_config(resolve_model(F.model)).replace(layer_loop="scan")
+    dtype = jnp.dtype(F.dtype)
+    mesh = sharding.replica_mesh(config, F.tensor_parallel, jax.device_count() // F.tensor_parallel)
+    weights = sharding.abstract_sharded_weights(config, mesh, dtype)
+    kv_shape = (config.num_layers, F.num_pages, F.page_size, sharding.kv_heads(config, F.tensor_parallel),
+                config.head_dim)
+    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding.cache_sharding(mesh).k)
+    cache = KVCache(kv, kv)
+    ops = sharding.sharded_ops(Ops(**get_kernels("auto")), config, mesh)
+    t, s, p = F.tokens, F.seqs, F.pages_per_seq
+    runner = ModelRunner(config, weights, cache, Buckets((t,), (s,), (p,)), ops, mesh=mesh)
+    md = BatchMetadata(np.zeros(t, np.int32), np.zeros((s, p), np.int32), np.zeros(s, np.int32),
+                       np.zeros(s + 1, np.int32), np.zeros(s, np.int32))
+    inputs, packing = pack_inputs((np.zeros(t, np.int32), np.zeros(t, np.int32), md, SamplingBatch.greedy(s, 16)))
+    t0 = time.perf_counter()
+    lowered = runner._step.lower(weights, cache, runner.last_tokens, inputs, packing=packing, greedy_only=True,
+                                 num_logprobs=None, penalties=False)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+
+    def per_device(tree):  # the bytes of one device's shard of each leaf
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    weight_bytes, kv_bytes = per_device(weights), per_device(cache)
+    report = dict(
+        model=F.model, tensor_parallel=F.tensor_parallel, dtype=F.dtype, backend=jax.default_backend(),
+        num_params=config.num_params(), weight_bytes_total=config.num_params() * dtype.itemsize,
+        weight_bytes_per_device=weight_bytes, kv_bytes_per_device=kv_bytes,
+        kv_tokens=F.num_pages * F.page_size, step=dict(tokens=t, seqs=s, pages_per_seq=p),
+        compile_seconds=round(seconds, 1),
+        memory_analysis=dict(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+                             alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+                             generated_code_bytes=mem.generated_code_size_in_bytes))
+    report["per_device_peak_bytes_estimate"] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    print(f"{F.model} over {F.tensor_parallel} {jax.default_backend()} devices ({F.dtype}), compiled in {seconds:.0f}s")
+    print(f"{'':24}{'GiB per device':>16}")
+    for name, b in (("weights", weight_bytes), ("KV cache", kv_bytes), ("arguments (analysis)", mem.argument_size_in_bytes),
+                    ("temporaries (analysis)", mem.temp_size_in_bytes),
+                    ("peak estimate", report["per_device_peak_bytes_estimate"])):
+        print(f"{name:24}{b / GIB:16.2f}")
+    print(f"{'whole model / devices':24}{report['weight_bytes_total'] / F.tensor_parallel / GIB:16.2f}")
+    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
+    with open(F.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {F.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,152 @@
+"""Sharded runs on forced host devices, printed as one JSON object (run by test_sharding.py).
+
+XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
+these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
+``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
+SmolLM2), ``collectives:MODEL:TP[:BACKEND]`` (a prefill and a decode step's logits, the prefill's compiled
+collectives; on one device ``collectives:MODEL:1:pallas_gpu`` checks the GPU kernels per device) or ``load:MODEL:TP``
+(the checkpoint loaded straight into shards, and restored from orbax into shards, against the
+one-device load laid out afterwards). ``multihost:MODEL:TP:PORT:PROCESSES:ID`` joins a multi-process
+run on localhost first (``batching.multihost``): process 0 generates, the others follow.
+"""
+
+import os
+import re
+import sys
+
+NUM_DEVICES, RUNS = int(sys.argv[1]), sys.argv[2:]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from jaxinfer.llm import LLM  # noqa: E402
+from jaxinfer.models import sharding  # noqa: E402
+from jaxinfer.models.config import PRESETS  # noqa: E402
+from jaxinfer.models.decoder import forward  # noqa: E402
+from jaxinfer.models.layers import Ops  # noqa: E402
+from jaxinfer.models.spec import init_dummy_weights  # noqa: E402
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+
+# Two prompts of different lengths: one prefill step of both, then decode steps (one bucket each).
+PROMPTS = [[1, 5, 9, 13, 200], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SMALL = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, token_buckets=(32,), seq_buckets=(2,),
+             page_buckets=(8,))
+
+
+def run(model: str, tp: int, dp: int = 1, **options) -> dict:
+    llm = LLM(model, tensor_parallel=tp, data_parallel=dp, **SMALL, **options)
+    llm.warmup(greedy_only=True)
+    compiled = llm.engine.num_compilations
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    out = dict(tokens=tokens, compilations_after_warmup=llm.engine.num_compilations - compiled)
+    engines = getattr(llm.engine, "replicas", [llm.engine])
+    per_device = sharding.per_device_bytes([e.runner.weights for e in engines])
+    out["param_bytes_per_device"] = sorted(set(per_device.values()))
+    out["generation_tokens_per_replica"] = [e.stats()["generation_tokens"] for e in engines]
+    out["kv_heads_per_device"] = sorted({s.data.shape[3] for e in engines for s in e.runner.cache.k.addressable_shards})
+    return out
+
+
+def collectives(config, tp: int, bias: bool, backend: str = "reference") -> dict:
+    """One sharded prefill step on random weights (non-zero Q/K/V biases where the family has them),
+    attention by ``backend`` per device: its logits against one device's reference step, and the
+    collectives in its compiled HLO."""
+    from jaxinfer.pallas_kernels import get_kernels
+
+    w = init_dummy_weights(config, jax.random.key(1))
+    if bias:
+        w.layers["qkv_bias"] = jax.random.normal(jax.random.key(2), w.layers["qkv_bias"].shape)
+    t = 12
+    tokens = jnp.arange(t, dtype=jnp.int32) * 37 % config.vocab_size
+    prefill = BatchMetadata(jnp.arange(t, dtype=jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t], jnp.int32),
+                            jnp.array([0, t], jnp.int32), jnp.arange(t, dtype=jnp.int32))
+    # Then one decode-only step (a backend's fused decode kernel where it has one) at position t.
+    decode = BatchMetadata(jnp.array([t], jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t + 1], jnp.int32),
+                           jnp.array([0, 1], jnp.int32), jnp.zeros(1, jnp.int32), decode_only=True)
+    steps = [(tokens, jnp.arange(t, dtype=jnp.int32), prefill), (tokens[:1], jnp.array([t], jnp.int32), decode)]
+    # One device: a mesh of it, so that the per-device ops (shard_map) run even there.
+    mesh = sharding.make_mesh(config, tp, NUM_DEVICES // tp) or Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),
+                                                                    (sharding.DP, sharding.TP))
+
+    def run_steps(weights, cache, ops):
+        fn = jax.jit(lambda w, c, x, p, md: forward(w, x, p, c, md, config, ops))
+        logits = []
+        for x, p, md in steps:
+            out, cache = fn(weights, cache, x, p, md)
+            logits.append(out)
+        return logits, fn.lower(weights, cache, *steps[0]).compile().as_text()
+
+    ref, _ = run_steps(w, KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim), Ops())
+    ops = sharding.sharded_ops(Ops(**get_kernels(backend)), config, mesh)
+    got, hlo = run_steps(sharding.place_weights(w, config, mesh),
+                         sharding.zeros_cache(config, mesh, 1, 16, jnp.float32), ops)
+    gathers = [int(np.prod([int(d) for d in m.split(",") if d] or [1]))
+               for m in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+    return dict(max_abs_diff=max(float(jnp.max(jnp.abs(g - r))) for g, r in zip(got, ref)),
+                logits_spec=str(got[0].sharding.spec),
+                all_reduces=len(re.findall(r" all-reduce(?:-start)?\(", hlo)), all_gather_sizes=gathers)
+
+
+def load(model: str, tp: int) -> dict:
+    import tempfile
+
+    from jaxinfer.models.weights import load_config, load_model, resolve_model, save_converted
+
+    mesh = sharding.make_mesh(load_config(resolve_model(model)), tp, NUM_DEVICES // tp)
+    config, whole = load_model(model)
+    want = sharding.place_weights(whole, config, mesh)
+
+    def same(got):
+        return all(jax.tree.leaves(jax.tree.map(
+            lambda a, b: a.sharding == b.sharding and bool((np.asarray(a) == np.asarray(b)).all()), want, got)))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_converted(whole, config, tmp)
+        restored = load_model(tmp, mesh=mesh)[1]
+    return dict(direct=same(load_model(model, mesh=mesh)[1]), orbax=same(restored),
+                wqkv_spec=str(want.layers["wqkv"].sharding.spec))
+
+
+def main():
+    results = {}
+    if RUNS[0].startswith("multihost:"):
+        from jaxinfer.batching.multihost import initialize
+
+        model, tp, port, processes, pid = RUNS[0].split(":")[1:]
+        initialize(f"127.0.0.1:{port}", int(processes), int(pid))
+        if int(pid):
+            from jaxinfer.batching.config import EngineConfig
+            from jaxinfer.batching.engine import LLMEngine
+
+            config = EngineConfig(tensor_parallel=int(tp), load_format="dummy", seed=3, **SMALL)
+            LLMEngine(model, config).runner.follow()
+            return
+        results[RUNS[0]] = run(model, int(tp), 1, load_format="dummy", seed=3)
+        results[RUNS[0]]["devices"] = [jax.device_count(), jax.local_device_count()]
+        print("RESULT " + json.dumps(results), flush=True)
+        return
+    for spec in RUNS:
+        kind, *rest = spec.split(":")
+        if kind == "collectives":
+            model, tp, *backend = rest
+            config = PRESETS[model]
+            results[spec] = collectives(config, int(tp), config.qkv_bias, *backend)
+        elif kind == "load":
+            results[spec] = load(rest[0], int(rest[1]))
+        else:
+            tp, dp = map(int, rest)
+            options = {} if kind == "smollm2-135m" else dict(load_format="dummy", seed=3)
+            results[spec] = run(kind, tp, dp, **options)
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
