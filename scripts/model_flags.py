@@ -18,7 +18,8 @@ flags.DEFINE_enum("quantization", "auto", ["auto", *QUANTIZATIONS],
                   "Weight quantization (auto: on accelerators a .gguf file runs in its own blocks unless --dtype "
                   "is given; gguf: those blocks anywhere; none: full precision; int8/int4[-gN]/fp8: quantized "
                   "at load).")
-flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache: later runs skip "
+flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default: "
+                    "$XDG_CACHE_HOME/jaxinfer/xla; '' turns it off): later runs skip "
                     "recompiling.")
 flags.DEFINE_integer("tensor_parallel", 1, "Devices each model replica is split over (attention heads, MLP, "
                      "experts, vocabulary).")

@@ -6,6 +6,8 @@
 
 The engine steps in its own process (jaxinfer/server/engine_core.py); this one serves HTTP. The
 engine flags live in engine_flags.py (shared with bench_serving.py); their defaults suit a small CPU.
+Every step shape is compiled (or loaded from the persistent compilation cache) before /health
+answers 200; the engine's CPU buckets are few and coarse.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batching import multihost
-from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.model_runner import Buckets, ModelRunner, powers_of_two
+from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
+from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
 from jaxinfer.models import sharding
@@ -95,9 +95,13 @@ class LLMEngine:
 
     def __init__(self, model: str, config: EngineConfig | None = None, replica: int = 0):
         self.config = config = config or EngineConfig()
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        cache_dir = default_compilation_cache_dir() if config.compilation_cache_dir is None else \
+            config.compilation_cache_dir
+        if cache_dir and cache_dir != jax.config.jax_compilation_cache_dir:
+            from jax._src import compilation_cache  # JAX opens its cache once; a new directory needs a reset
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            compilation_cache.reset_cache()
         backend = jax.default_backend()
         dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         layer_loop = config.layer_loop if config.layer_loop != "auto" else ("unroll" if backend == "gpu" else "scan")
@@ -139,10 +143,9 @@ class LLMEngine:
         else:
             cache = sharding.zeros_cache(mc, self.mesh, num_pages, ps, jnp.dtype(dtype))
         budget = config.max_num_batched_tokens
-        buckets = Buckets(
-            tokens=config.token_buckets or powers_of_two(min(8, budget), budget),
-            seqs=config.seq_buckets or powers_of_two(1, config.max_num_seqs),
-            pages=config.page_buckets or powers_of_two(min(4, pages_per_seq), pages_per_seq))
+        default = default_buckets(backend, budget, config.max_num_seqs, pages_per_seq)
+        buckets = Buckets(tokens=config.token_buckets or default.tokens, seqs=config.seq_buckets or default.seqs,
+                          pages=config.page_buckets or default.pages)
         if buckets.tokens[-1] < budget or buckets.seqs[-1] < config.max_num_seqs or buckets.pages[-1] < pages_per_seq:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
@@ -150,7 +153,8 @@ class LLMEngine:
         ops = Ops(**get_kernels(config.attention_backend, mc.head_dim))
         if self.mesh is not None:
             ops = sharding.sharded_ops(ops, mc, self.mesh)
-        self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh)
+        self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh,
+                                  max_executables=config.max_executables)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,

@@ -2,11 +2,17 @@
 
 The step (forward + sampling) is compiled once per bucket of (tokens, sequences, pages per
 sequence); the KV cache is donated to it, so each step updates the cache in place.
+
+Compiled steps are held in an LRU of at most ``max_executables``: every XLA:CPU executable keeps
+its code in memory mappings, and a process that compiled ~400 SmolLM2 step shapes died with
+"LLVM ERROR: Unable to allocate section memory" (``vm.max_map_count`` 65530). An evicted step is
+dropped together with JAX's own caches, which would otherwise keep it alive.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import logging
@@ -23,20 +29,37 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.spec import Weights
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv_layers
 from jaxinfer.sampling import SampleResult, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
 _PENALTY_SLOTS = 16  # the smallest bucket of a step's (row, token, count) penalty triples
 
 
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """``low, 2*low, ...`` up to and including ``high`` (which is added if not a power of two)."""
-    out, b = [], max(1, low)
+def geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
+    """``low, low*factor, ...`` below ``high``, then ``high``."""
+    out, b = [], max(1, min(low, high))
     while b < high:
         out.append(b)
-        b *= 2
+        b *= factor
     return tuple(out) + (high,)
+
+
+def default_buckets(backend: str, max_tokens: int, max_seqs: int, max_pages: int) -> "Buckets":
+    """The bucket set used where none is given.
+
+    CPU: a 1-token bucket for batch-1 decode (SmolLM2, quiet 2-core box: 40.5 ms per step at T=1,
+    50.0 at T=2), then 16 tokens and x4 steps (a step's cost grows with its tokens; 16 costs about
+    what 1 does per step); sequences 1, 4, 16, ...; pages 16, 64, ... (docs/benchmarks.md has the
+    step time per bucket): SmolLM2's server defaults plan 20 shapes instead of 624, so warm-up
+    compiles 40 steps (greedy and sampled), not the ~400 that ran out of memory maps.
+    Elsewhere powers of two (tokens from 8, pages from 4): each compile is cheap next to the
+    padding it saves on an accelerator."""
+    if backend == "cpu":
+        tokens = (1,) + geometric(16, max_tokens, 4) if max_tokens > 1 else (1,)
+        return Buckets(tuple(sorted(set(tokens))), geometric(1, max_seqs, 4), geometric(16, max_pages, 4))
+    return Buckets(geometric(min(8, max_tokens), max_tokens, 2), geometric(1, max_seqs, 2),
+                   geometric(min(4, max_pages), max_pages, 2))
 
 
 def _padded_pages(pages: list[int], n: int, fill: int) -> np.ndarray:
@@ -102,13 +125,15 @@ def unpack_inputs(buf: jax.Array, packing: Packing):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
-                 ops: Ops, max_logprobs: int = 20, mesh=None):
+                 ops: Ops, max_logprobs: int = 20, mesh=None, max_executables: int = 256):
         self.config = config
         self.weights = weights
         self.cache = cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.num_compilations = 0
+        self.max_executables = max_executables
+        self._executables: collections.OrderedDict = collections.OrderedDict()  # LRU: key -> compiled step
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
         # Decode-only steps compile separately only where the backend has a kernel for them.
@@ -134,9 +159,12 @@ class ModelRunner:
         # inputs; with the KV pool sized to fill memory it saw no room and recomputed the QKV
         # matmul three times per layer (8B batch-1 step on an H200: 5.73 -> 4.71 ms without it).
         # The pool already leaves `1 - kv_cache_memory_fraction` of memory for temporaries.
+        # With ``ops.defer_kv_write`` the step only reads the cache and returns the new K/V, which
+        # ``_write`` scatters into the donated cache (see ``decoder.forward``).
         self._step = jax.jit(self._step_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
-                             donate_argnums=(1,), compiler_options={"xla_disable_hlo_passes": "rematerialization"},
-                             **step_shardings)
+                             donate_argnums=() if ops.defer_kv_write else (1,),
+                             compiler_options={"xla_disable_hlo_passes": "rematerialization"}, **step_shardings)
+        self._write = jax.jit(write_kv_layers, donate_argnums=(0,), **swap_shardings)
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,), **swap_shardings)
         self._gather = jax.jit(self._gather_fn)
 
@@ -204,7 +232,7 @@ class ModelRunner:
                 pen_rows += [i] * len(ids)
                 pen_tokens += ids.tolist()
                 pen_counts += c.tolist()
-        k = Buckets.pick(powers_of_two(_PENALTY_SLOTS, max(_PENALTY_SLOTS, len(pen_rows))), max(1, len(pen_rows)))
+        k = Buckets.pick(geometric(_PENALTY_SLOTS, max(_PENALTY_SLOTS, len(pen_rows)), 2), max(1, len(pen_rows)))
         pad = [0] * (k - len(pen_rows))
         sb = SamplingBatch(
             temperature=column([p.temperature for p in params], np.float32),
@@ -229,7 +257,29 @@ class ModelRunner:
         if self._multihost:
             shape = (tokens.shape[0], *md.page_table.shape, sb.penalty_rows.shape[0])
             multihost.send_step(inputs, shape, md.decode_only, flags, feeds_next)
-        return self._step(self.weights, self.cache, self.last_tokens, inputs, packing=packing, **flags)
+        result, cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens, inputs)
+        if self._ops.defer_kv_write:
+            cache = self._write(self.cache, *cache, md.slot_mapping)
+        return result, cache, last
+
+    @property
+    def num_executables(self) -> int:
+        return len(self._executables)
+
+    def _compiled(self, inputs, packing: Packing, flags: dict):
+        """The step compiled for this input layout and these flags: from the LRU, or compiled now
+        (through the persistent compilation cache when one is set), evicting the least recently used."""
+        key = (packing, tuple(sorted(flags.items())))
+        exe = self._executables.get(key)
+        if exe is not None:
+            self._executables.move_to_end(key)
+            return exe
+        exe = self._step.lower(self.weights, self.cache, self.last_tokens, inputs, packing=packing, **flags).compile()
+        self._executables[key] = exe
+        if len(self._executables) > self.max_executables:
+            self._executables.popitem(last=False)
+            jax.clear_caches()  # JAX's compilation caches hold a reference to every executable
+        return exe
 
     def run(self, batch: ScheduledBatch) -> SampleResult:
         """Dispatch one step; the result stays on device until the caller reads it."""
@@ -244,28 +294,40 @@ class ModelRunner:
             md = BatchMetadata(np.zeros(t, np.int32), np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
             _, packing = pack_inputs((md.slot_mapping, md.slot_mapping, md, SamplingBatch.greedy(s, k)))
-            _, self.cache, last = self._step(self.weights, self.cache, self.last_tokens, inputs, packing=packing,
-                                             **flags)
+            _, self.cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens,
+                                                                         inputs)
             if feeds_next:
                 self.last_tokens = last
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
-        """Compile every bucket ahead of time, greedy and (unless ``greedy_only``) sampled steps, and
-        the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
-        compile on first use)."""
+    def warmup_plan(self, shapes=None, greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool]]:
+        """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only)`` for every
+        bucket, greedy and (unless ``greedy_only``) sampled, and the decode-only variant of the shapes a
+        decode-only step can take (logprobs and penalties compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         decode = {x for x in self.buckets.decode_shapes() if x[1] <= self._decode_max_seqs}
         steps = [(x, False) for x in shapes] + [(x, True) for x in shapes if x in decode]
         variants = (True,) if greedy_only else (True, False)
-        for ((t, s, p), decode_only), greedy in tqdm([(x, g) for x in steps for g in variants],
-                                                     desc="compiling buckets", unit="step"):
+        return [(x, d, g) for x, d in steps for g in variants]
+
+    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
+        """Compile every step of ``warmup_plan`` ahead of time, without running any."""
+        plan = self.warmup_plan(shapes, greedy_only)
+        if len(plan) > self.max_executables:
+            raise ValueError(f"warm-up would compile {len(plan)} steps but max_executables is "
+                             f"{self.max_executables}: raise it or use fewer buckets")
+        for (t, s, p), decode_only, greedy in tqdm(plan, desc="compiling buckets", unit="step"):
             tokens = np.zeros(t, np.int32)
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-            _, self.cache, _ = self.execute(tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
-                                            dict(greedy_only=greedy, num_logprobs=None, penalties=False))
-        jax.block_until_ready(self.cache)
+            inputs, packing = pack_inputs((tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS)))
+            self._compiled(inputs, packing, dict(greedy_only=greedy, num_logprobs=None, penalties=False))
+        if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
+            c = self.config
+            for t in sorted({t for (t, _, _), _, _ in plan}):
+                new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.k.dtype)
+                self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
+                                                                          np.int32))
 
     # Swap copies are padded to a power-of-two page count so they compile O(log pages) times, not
     # once per count. Padding reads page 0 (and is cut off) and writes nowhere (dropped index).

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import Ops, embed, layer_rope_frequencies, linear, rms_norm, rms_scale
+from jaxinfer.models.layers import Ops, embed, layer_rope_frequencies, linear, rms_norm, rms_scale, rope_qkv
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
@@ -29,14 +29,20 @@ _OPTIONAL_ATTENTION_WEIGHTS = ("qkv_bias", "q_norm", "k_norm")
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, positions, md: BatchMetadata,
            inv_freq, window):
-    """One decoder layer on the residual stream ``x``; returns it and the cache."""
+    """One decoder layer on the residual stream ``x``; returns it, the cache and, with
+    ``ops.defer_kv_write``, the layer's new (k, v) for the caller to write (else None)."""
     t = x.shape[0]
     h, kvh, hd, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
     extras = {name: lw[name] for name in _OPTIONAL_ATTENTION_WEIGHTS if name in lw}
     attn_kw = dict(scale=config.attention_scale, soft_cap=config.attn_soft_cap, sliding_window=window)
 
     qkv = linear(x, lw["wqkv"])
-    if md.decode_only and ops.decode_attention is not None:
+    new_kv = None
+    if ops.defer_kv_write:
+        q, k, v = rope_qkv(qkv, x, positions, inv_freq, num_heads=h, num_kv_heads=kvh, eps=eps, **extras)
+        new_kv = (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+        attn = ops.attention(q, cache.k, cache.v, layer, md, new_kv=new_kv, **attn_kw)
+    elif md.decode_only and ops.decode_attention is not None:
         attn, cache = ops.decode_attention(qkv, x, positions, inv_freq, cache, layer, md, num_heads=h, eps=eps,
                                            **attn_kw, **extras)
     else:
@@ -54,21 +60,30 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
         y = ops.mlp(x, lw["w_gate_up"], lw["w_down"], r, config.hidden_act)
     if config.post_norms:
         y = rms_norm(y, lw["post_mlp_norm"], eps)
-    return x + y, cache
+    return x + y, cache, new_kv
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
             config: ModelConfig, ops: Ops = Ops()) -> tuple[jax.Array, KVCache]:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
-    and the updated cache (donate it at the jit boundary so it is updated in place)."""
+    and the updated cache (donate it at the jit boundary so it is updated in place).
+
+    With ``ops.defer_kv_write`` the cache is only read, and the second value is the step's new K/V
+    instead, ``(k, v)`` each ``[layers, T, kv_heads, head_dim]``, for the caller to write with
+    ``kv_cache.write_kv_layers`` in a separate executable that donates the cache: when one
+    executable both read the cache in an unrolled loop and wrote it, XLA:CPU copied the whole pool
+    to keep the reads' operand intact (SmolLM2 batch-1 step: ~90 -> ~57 ms, contended)."""
     x = embed(weights.embed, tokens, weights.final_norm.dtype)
     if config.embed_scale:
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
     freqs = layer_rope_frequencies(config)
     windows = [config.layer_window(i) for i in range(config.num_layers)]
     if isinstance(weights.layers, list):
+        new = []
         for i, lw in enumerate(weights.layers):
-            x, kv_cache = _layer(config, ops, x, lw, i, kv_cache, positions, md, freqs[i], windows[i])
+            x, kv_cache, kv = _layer(config, ops, x, lw, i, kv_cache, positions, md, freqs[i], windows[i])
+            new.append(kv)
+        new_kv = jax.tree.map(lambda *xs: jnp.stack(xs), *new) if ops.defer_kv_write else None
     else:
         same_freqs = bool(np.all(freqs == freqs[:1]))
         same_windows = len(set(windows)) == 1
@@ -80,13 +95,19 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
             lw, i, f, w = xs
             f = freqs[0] if f is None else f
             w = windows[0] if w is None else w
-            return _layer(config, ops, x, lw, i, cache, positions, md, f, w), None
+            if ops.defer_kv_write:  # the cache is read-only in the loop: a constant, not a carry
+                x, _, kv = _layer(config, ops, x, lw, i, kv_cache, positions, md, f, w)
+                return (x, cache), kv
+            x, cache, _ = _layer(config, ops, x, lw, i, cache, positions, md, f, w)
+            return (x, cache), None
 
-        (x, kv_cache), _ = jax.lax.scan(
-            body, (x, kv_cache), (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32), *per_layer))
+        carry = (x, None if ops.defer_kv_write else kv_cache)
+        (x, cache), new_kv = jax.lax.scan(
+            body, carry, (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32), *per_layer))
+        kv_cache = kv_cache if ops.defer_kv_write else cache
     x = x[md.logits_indices]
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
     logits = linear(x, weights.embed if weights.lm_head is None else weights.lm_head, jnp.float32)
     if config.final_soft_cap is not None:
         logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
-    return logits, kv_cache
+    return logits, (new_kv if ops.defer_kv_write else kv_cache)

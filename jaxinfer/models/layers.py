@@ -136,16 +136,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, cache: KVCache,
-                  layer, slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int, eps: float,
-                  qkv_bias: jax.Array | None = None, q_norm: jax.Array | None = None,
-                  k_norm: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-    """The fused projection ``[T, (H + 2 * KVH) * D]`` of the residual stream ``x [T, hidden]`` times
-    each token's RMSNorm scale (``rms_scale(x)``), plus ``qkv_bias`` ``[(H + 2 * KVH) * D]`` if given,
-    each q and k head RMS-normalized with gains ``q_norm`` / ``k_norm`` ``[D]`` if given (the same
-    ``eps``), RoPE on q and k, then k and v written to their slots. Returns (q ``[T, H, D]``, the cache).
-    The jnp reference of ``pallas_kernels.rope_kv``, which does it in one kernel."""
-    t, hd = qkv.shape[0], cache.k.shape[-1]
+def rope_qkv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, *, num_heads: int, num_kv_heads: int,
+             eps: float, qkv_bias: jax.Array | None = None, q_norm: jax.Array | None = None,
+             k_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``rope_write_kv`` without the write: (q ``[T, H, D]`` in qkv's dtype, k and v ``[T, KVH, D]`` in float32)."""
+    t = qkv.shape[0]
+    hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     scaled = qkv.astype(jnp.float32) * rms_scale(x, eps)
     if qkv_bias is not None:
         scaled = scaled + qkv_bias.astype(jnp.float32)
@@ -155,7 +151,21 @@ def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, 
         q = q * rms_scale(q, eps) * q_norm.astype(jnp.float32)
         k = k * rms_scale(k, eps) * k_norm.astype(jnp.float32)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    return q.astype(qkv.dtype), write_kv(cache, layer, k, v, slot_mapping)
+    return q.astype(qkv.dtype), k, v
+
+
+def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, cache: KVCache,
+                  layer, slot_mapping: jax.Array, *, num_heads: int, num_kv_heads: int, eps: float,
+                  qkv_bias: jax.Array | None = None, q_norm: jax.Array | None = None,
+                  k_norm: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """The fused projection ``[T, (H + 2 * KVH) * D]`` of the residual stream ``x [T, hidden]`` times
+    each token's RMSNorm scale (``rms_scale(x)``), plus ``qkv_bias`` ``[(H + 2 * KVH) * D]`` if given,
+    each q and k head RMS-normalized with gains ``q_norm`` / ``k_norm`` ``[D]`` if given (the same
+    ``eps``), RoPE on q and k, then k and v written to their slots. Returns (q ``[T, H, D]``, the cache).
+    The jnp reference of ``pallas_kernels.rope_kv``, which does it in one kernel."""
+    q, k, v = rope_qkv(qkv, x, positions, inv_freq, num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                       qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm)
+    return q, write_kv(cache, layer, k, v, slot_mapping)
 
 
 # ------------------------------------------------------------------------------------------ MLPs
@@ -266,3 +276,9 @@ class Ops:
     # ``models.sharding`` with per-device versions that sum their partial outputs over the mesh.
     mlp: Callable[..., jax.Array] = gated_mlp
     moe: Callable[..., jax.Array] = moe
+    # The reference path's structure (``get_kernels("reference")``): no layer writes the cache; each
+    # passes its new K/V to ``attention(..., new_kv=(k, v))`` and all layers' are written after the
+    # loop (``kv_cache.write_kv_layers``), so the cache is only read inside it and XLA updates it in
+    # place. Needs an ``attention`` that takes ``new_kv``; ``rope_write_kv`` is then unused. One device
+    # only (``models.sharding.sharded_ops`` turns it off).
+    defer_kv_write: bool = False

@@ -354,5 +354,7 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
             return jax.lax.psum(moe_partial(x, r, lw, config_, first), TP).astype(x.dtype)
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P(), check_vma=False)(x, r, lw)
 
+    # The reference path's deferred cache write (``Ops.defer_kv_write``) is an XLA:CPU one-device
+    # fix; per device the K/V would need their own shard_map specs, so a mesh writes per layer.
     return dataclasses.replace(ops, rope_write_kv=rope_write_kv, attention=attention,
-                               decode_attention=decode_attention, mlp=mlp, moe=moe)
+                               decode_attention=decode_attention, mlp=mlp, moe=moe, defer_kv_write=False)

@@ -30,11 +30,14 @@ def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Arr
 
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
                            scale: float, soft_cap: float | None = None,
-                           sliding_window: int | None = None) -> jax.Array:
+                           sliding_window: int | None = None,
+                           new_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Attention of packed queries ``q [T, H, D]`` over layer ``layer`` of the paged cache.
 
     ``k_cache``/``v_cache`` are ``[layers, pages, page_size, kv_heads, D]`` and already hold this
-    step's K/V. Query ``t`` of sequence ``s`` at position ``p`` attends to positions ``<= p`` of ``s``
+    step's K/V, unless the step's K/V ``[T, kv_heads, D]`` are given as ``new_kv`` (the cache is then
+    written after every layer has run; see ``kv_cache.write_kv_layers``): they are placed at their
+    positions in the gathered context, a copy made anyway, and the cache is only read. Query ``t`` of sequence ``s`` at position ``p`` attends to positions ``<= p`` of ``s``
     (and ``> p - sliding_window`` when set). Padding tokens produce zeros.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -47,6 +50,10 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     k_seq = k_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
     v_seq = v_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
     seq, pos, valid = token_layout(md, num_tokens)
+    if new_kv is not None:
+        at = jnp.where(valid, pos, ctx)  # padding: out of range, dropped
+        k_seq = k_seq.at[seq, at].set(new_kv[0].astype(k_seq.dtype), mode="drop")
+        v_seq = v_seq.at[seq, at].set(new_kv[1].astype(v_seq.dtype), mode="drop")
 
     block = max(1, min(num_tokens, _BLOCK_ELEMENTS // ctx))
     num_blocks = -(-num_tokens // block)

@@ -10,7 +10,8 @@ biases, q/k head norms), so a family never loses a kernel for having them.
 - ``decode_attention`` (both of the above in the decode kernel, for decode-only steps of at most
   ``decode_attention_max_seqs`` sequences, which comes with it): ``pallas_gpu``.
 
-Backends: ``reference`` (pure jnp, jaxinfer.paged.attention), ``pallas_gpu`` (Pallas Triton, see
+Backends: ``reference`` (pure jnp, jaxinfer.paged.attention, with ``Ops.defer_kv_write``: the
+cache is written once after the layer loop, which XLA:CPU keeps in place), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
 TPU kernel in Pallas interpret mode; runs on CPU, slow, for tests), ``auto`` (by
 ``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference; a model whose
@@ -40,7 +41,7 @@ def get_kernels(backend: str = "auto", head_dim: int | None = None) -> dict[str,
         if backend == "pallas_gpu" and head_dim is not None and head_dim not in rope_kv.HEAD_DIMS:
             backend = "reference"
     if backend == "reference":
-        return {"attention": reference_attention}
+        return {"attention": reference_attention, "defer_kv_write": True}
     if backend == "pallas_gpu":
         from jaxinfer.pallas_kernels import gpu
         if head_dim is not None:

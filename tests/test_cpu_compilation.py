@@ -1,0 +1,74 @@
+"""Bounded compilation: warm-up compiles exactly its plan, live executables never exceed
+``max_executables`` (and their memory maps stay bounded), evicted steps recompile correctly, and the
+persistent compilation cache directory is used (issue 22)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
+from jaxinfer.batching.model_runner import default_buckets
+
+TINY = dict(load_format="dummy", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_cpu_default_buckets_are_coarse():
+    b = default_buckets("cpu", 128, 16, 64)
+    assert (b.tokens, b.seqs, b.pages) == ((1, 16, 64, 128), (1, 4, 16), (16, 64))
+    assert len(b.all_shapes()) == 20  # the server's defaults: 624 shapes with powers of two
+    assert default_buckets("gpu", 128, 16, 64).tokens == (8, 16, 32, 64, 128)
+
+
+def test_warmup_compiles_the_plan_and_nothing_more(tmp_path):
+    llm = LLM("tiny-llama3", compilation_cache_dir=str(tmp_path), **TINY)
+    runner = llm.engine.runner
+    plan = runner.warmup_plan(greedy_only=True)
+    llm.warmup(greedy_only=True)
+    assert runner.num_executables == len(plan) == llm.engine.num_compilations
+    assert runner.num_steps == 0, "warm-up must compile without running steps"
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (3, 9, 17, 30, 5)]
+    llm.generate(prompts, GREEDY)
+    assert llm.engine.num_compilations == len(plan), "a step shape was compiled after warm-up"
+    assert any(os.scandir(tmp_path)), "the persistent compilation cache directory was not written"
+
+
+def test_warmup_refuses_a_plan_larger_than_the_bound():
+    llm = LLM("tiny-llama3", compilation_cache_dir="", max_executables=3, **TINY)
+    with pytest.raises(ValueError, match="max_executables"):
+        llm.warmup()
+
+
+def test_executables_bounded_and_correct_after_eviction():
+    """Many distinct shapes in one process: at most max_executables stay alive, the process's memory
+    maps stop growing, and steps recompiled after eviction give the same tokens."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (2, 15, 40, 90)]
+    ref = [o.token_ids for o in LLM("tiny-llama3", compilation_cache_dir="", **TINY).generate(prompts, GREEDY)]
+    llm = LLM("tiny-llama3", compilation_cache_dir="", max_executables=2,
+              token_buckets=(1, 4, 32), seq_buckets=(1, 4), page_buckets=(2, 8), **TINY)
+    counts = []
+    for _ in range(2):
+        for p in prompts:  # alone: each prompt meets its own prefill and decode shapes
+            assert llm.generate([p], GREEDY)[0].token_ids == ref[prompts.index(p)]
+            assert llm.engine.runner.num_executables <= 2
+        counts.append(_maps())
+    assert llm.engine.num_compilations > 2 * len(prompts), "the soak did not evict and recompile"
+    assert counts[-1] <= counts[0] + 200, f"memory maps grew with compilations: {counts}"
+    jax.clear_caches()
+
+
+def test_compilation_cache_dir_defaults_to_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_compilation_cache_dir() == str(tmp_path / "jaxinfer" / "xla")
+    with pytest.raises(ValueError, match="max_executables"):
+        EngineConfig(max_executables=0)
