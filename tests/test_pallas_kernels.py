@@ -208,19 +208,21 @@ def test_gpu_multi_page_key_blocks(case, splits):
 
 
 def test_get_kernels():
-    assert get_kernels("reference") == {"attention": reference}
+    # The reference step reads the cache and a separate executable writes it (see Ops.defer_kv_write).
+    reference_ops = {"attention": reference, "defer_kv_write": True}
+    assert get_kernels("reference") == reference_ops
     for name in BACKENDS:
         kernels = get_kernels(name)
         assert callable(kernels["attention"]) and set(kernels) <= {f.name for f in dataclasses.fields(Ops)}
     assert get_kernels("pallas_gpu")["rope_write_kv"] is rope_kv.rope_write_kv
     assert get_kernels("pallas_gpu")["decode_attention"] is gpu.rope_decode_attention
     if jax.default_backend() == "cpu":
-        assert get_kernels("auto") == {"attention": reference}
+        assert get_kernels("auto") == reference_ops
     with pytest.raises(ValueError, match="pallas_gpu"):
         get_kernels("cuda")
     # Phi-3's head_dim 96: "auto" falls back to the reference; asking for the GPU kernels is an error.
     if not ON_TPU:
-        assert get_kernels("auto", head_dim=96) == {"attention": reference}
+        assert get_kernels("auto", head_dim=96) == reference_ops
     assert get_kernels("pallas_gpu", head_dim=256)["rope_write_kv"] is rope_kv.rope_write_kv
     with pytest.raises(ValueError, match="head_dim 96 is not supported by the pallas_gpu kernels"):
         get_kernels("pallas_gpu", head_dim=96)

@@ -89,6 +89,20 @@ def metrics(url) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r"^(jaxinfer_\w+) (\S+)$", text, re.M)}
 
 
+def wait_until_idle(url, timeout=20) -> dict[str, float]:
+    """The metrics once no KV page is held and nothing runs (aborts settle a step later), asserting
+    that this happens within ``timeout`` seconds and that nothing waits either."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = metrics(url)
+        if m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0, m
+    assert m["jaxinfer_num_requests_waiting"] == 0
+    return m
+
+
 def post(url, path, body=None, content=None, **kw):
     return httpx.post(f"{url}{path}", json=body, content=content, timeout=120, **kw)
 
@@ -194,14 +208,7 @@ def test_disconnects_free_pages(server):
                 next(r.iter_lines())  # one chunk, then hang up
         with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
             http.post("/v1/completions", json={**body, "stream": False}, timeout=2)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = metrics(server.url)
-        if m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0, m
-    assert m["jaxinfer_num_requests_waiting"] == 0
+    m = wait_until_idle(server.url)
     # The 4 requests of 400 tokens were cut short.
     assert m["jaxinfer_generation_tokens_total"] - generated < 400
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from test_server import ROOT, Server, metrics
+from test_server import ROOT, Server, wait_until_idle
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "My favourite food is", "In 1492,", "Water boils at", "The quick brown fox"]
@@ -113,14 +113,7 @@ def test_hang_ups_under_load_free_every_page(server, alone):
     for i, (text, finished) in enumerate(results):
         if i % 3:
             assert finished and text == alone[PROMPTS[i % len(PROMPTS)]], (i, text)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = metrics(server.url)
-        if m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0, m
-    assert m["jaxinfer_num_requests_waiting"] == 0
+    wait_until_idle(server.url)
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
