@@ -74,3 +74,24 @@ def test_chat_template_errors(smollm2_tokenizer, monkeypatch):
 
 def test_preset_without_files_has_no_tokenizer():
     assert load_tokenizer(resolve_model("tiny-llama3")) is None
+
+
+def test_gguf_tokenizer_is_cached_and_behaves_the_same(tmp_path, monkeypatch, smollm2_tokenizer):
+    """The second load reads the converted tokenizer back from the user cache: the same ids, text,
+    special tokens and chat rendering as transformers' conversion from the GGUF."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = resolve_model("smollm2-135m")
+    first = load_tokenizer(source)  # converts, then saves
+    saved = list(tmp_path.glob("jaxinfer/tokenizers/*/tokenizer.json"))
+    assert len(saved) == 1
+    cached = load_tokenizer(source)
+    assert cached.name_or_path == str(saved[0].parent)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀"}]
+    for tok in (first, cached):
+        assert len(tok) == len(smollm2_tokenizer)
+        assert (tok.bos_token_id, tok.eos_token_id) == (smollm2_tokenizer.bos_token_id, smollm2_tokenizer.eos_token_id)
+        assert apply_chat_template(tok, messages) == apply_chat_template(smollm2_tokenizer, messages)
+        for text in TEXTS:
+            ids = tok.encode(text)
+            assert ids == smollm2_tokenizer.encode(text)
+            assert tok.decode(ids, skip_special_tokens=True) == smollm2_tokenizer.decode(ids, skip_special_tokens=True)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
 from jaxinfer.pallas_kernels import BACKENDS
+from jaxinfer.user_cache import user_cache_dir
 
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
@@ -115,8 +115,7 @@ class EngineConfig:
 
 def default_compilation_cache_dir() -> str:
     """``$XDG_CACHE_HOME/jaxinfer/xla``, or ``~/.cache/jaxinfer/xla``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxinfer", "xla")
+    return user_cache_dir("xla")
 
 
 def _positive(name: str, value) -> None:
