@@ -214,23 +214,11 @@ def moe_partial(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig, first
     if mine is not None:
         flat = jnp.where(mine, flat, local)  # other experts' rows: out of range (dropped, zeroed)
     rows = jnp.repeat(xs, k, axis=0)  # [T * k, D]: row i*k + j is token i for its j-th expert
-    if t * k <= e and jax.default_backend() == "gpu":
-        # As float32 row reductions XLA fuses the gather into the reduction and streams only the
-        # chosen experts; a gathered dot copies them first (3x the bytes; docs/benchmarks.md).
-        # Quantized experts are gathered in their blocks and decoded per chosen expert.
-        gathered, f32 = jnp.minimum(flat, local - 1), jnp.float32
-        gu = jnp.sum(rows[:, None, :].astype(f32) * to_dense(take(lw["experts_gate_up"], gathered), f32), axis=-1)
-        gate, up = jnp.split(gu, 2, axis=-1)
+    if t * k <= e:
+        gathered = jnp.minimum(flat, local - 1)  # quantized experts are gathered in their blocks
+        gate, up = jnp.split(_gathered_matvec(rows, take(lw["experts_gate_up"], gathered)), 2, axis=-1)
         h = (act(gate) * up).astype(x.dtype)
-        out = jnp.sum(h[:, None, :].astype(f32) * to_dense(take(lw["experts_down"], gathered), f32), axis=-1)
-    elif t * k <= e:
-        gathered = jnp.minimum(flat, local - 1)
-        gu = jnp.einsum("rd,rfd->rf", rows, to_dense(take(lw["experts_gate_up"], gathered), x.dtype),
-                        preferred_element_type=jnp.float32, precision=_precision(x.dtype))
-        gate, up = jnp.split(gu, 2, axis=-1)
-        h = (act(gate) * up).astype(x.dtype)
-        out = jnp.einsum("rf,rdf->rd", h, to_dense(take(lw["experts_down"], gathered), x.dtype),
-                         preferred_element_type=jnp.float32, precision=_precision(x.dtype))
+        out = _gathered_matvec(h, take(lw["experts_down"], gathered))
     else:
         order = jnp.argsort(flat)
         sizes = jnp.bincount(flat, length=local).astype(jnp.int32)
@@ -249,6 +237,16 @@ def moe_partial(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig, first
         shared = gated_mlp(x, lw["shared_gate_up"], lw["shared_down"], r, config.hidden_act).astype(jnp.float32)
         out = out + jax.nn.sigmoid(linear(x, lw["shared_gate"], jnp.float32) * r) * shared
     return out
+
+
+def _gathered_matvec(rows: jax.Array, w) -> jax.Array:
+    """Each row ``[R, in]`` times its own weight ``[R, out, in]``, in float32. On GPU as float32 row
+    reductions: XLA fuses the gather into the reduction and streams only the chosen experts, where
+    a gathered dot copies them first (3x the bytes; docs/benchmarks.md)."""
+    if jax.default_backend() == "gpu":
+        return jnp.sum(rows[:, None, :].astype(jnp.float32) * to_dense(w, jnp.float32), axis=-1)
+    return jnp.einsum("rd,rfd->rf", rows, to_dense(w, rows.dtype), preferred_element_type=jnp.float32,
+                      precision=_precision(rows.dtype))
 
 
 # ------------------------------------------------------------------------------------------ Ops
