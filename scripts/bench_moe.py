@@ -2,6 +2,7 @@
 experts to one token, timed against each other; the useful bytes are the k experts' weights.
 
     python scripts/bench_moe.py            # writes $OUT/moe_bench.json (or /tmp/moe_bench.json)
+    python scripts/bench_moe.py --many     # many rows (prefill, large batches): $OUT/moe_many.json
 
 What it settled (docs/benchmarks.md, "Model families on one H200"): float32 row reductions over the
 gathered experts, which XLA fuses, stream the chosen experts at the read bandwidth; a gathered dot
@@ -91,5 +92,74 @@ def main():
         json.dump(dict(device=jax.devices()[0].device_kind, **results), f, indent=1)
 
 
+def _time(fn, *args):
+    out = fn(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            out = fn(*args)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / 10)
+    return best, out
+
+
+def many():
+    """Many (token, expert) rows, as prefill and large decode batches give: XLA's ``ragged_dot``
+    against JAX's Mosaic GPU grouped matmul (``ragged_dot_mgpu``, Hopper) and all experts densely."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    key = jax.random.key(0)
+    gu = jax.random.normal(key, (E, 2 * F, D), bf16) * 0.01
+    dn = jax.random.normal(key, (E, D, F), bf16) * 0.01
+
+    def grouped(rows, sizes, mm):
+        g, u = jnp.split(mm(rows, gu, sizes), 2, -1)
+        return mm(act(g, u), dn, sizes)
+
+    def xla(rows, w, sizes):
+        return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=f32)
+
+    def mgpu(cfg):
+        def mm(rows, w, sizes):
+            return ragged_dot_mgpu.ragged_dot(rows, w, group_sizes=sizes, transpose_rhs=True, **cfg).astype(f32)
+        return mm
+
+    def dense(rows, sizes):  # every expert on every row, the row's own expert kept
+        ids = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=rows.shape[0])
+        g, u = jnp.split(jnp.einsum("rd,efd->ref", rows, gu, preferred_element_type=f32), 2, -1)
+        o = jnp.einsum("ref,edf->red", act(g, u), dn, preferred_element_type=f32)
+        return jnp.take_along_axis(o, ids[:, None, None], 1)[:, 0]
+
+    configs = [dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+               dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+               dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4)]
+    results = []
+    for tokens in (4, 32, 128, 256, 512, 1024, 2048):
+        r = tokens * K
+        rows = jax.random.normal(jax.random.key(1), (r, D), bf16)
+        flat = jnp.sort(jax.random.randint(jax.random.key(2), (r,), 0, E))
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        row = dict(tokens=tokens, rows=r)
+        t, ref = _time(jax.jit(lambda x, s: grouped(x, s, xla)), rows, sizes)
+        row["xla_ragged_us"] = t * 1e6
+        for i, cfg in enumerate(configs):
+            try:
+                t, out = _time(jax.jit(lambda x, s, cfg=cfg: grouped(x, s, mgpu(cfg))), rows, sizes)
+                row[f"mgpu{i}_us"] = t * 1e6
+                row[f"mgpu{i}_max_rel_err"] = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+            except Exception as e:  # noqa: BLE001 - a config the kernel refuses is a result, not a crash
+                row[f"mgpu{i}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if tokens <= 1024:
+            t, out = _time(jax.jit(dense), rows, sizes)
+            row["dense_all_us"] = t * 1e6
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "moe_many.json"), "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, configs=configs, results=results), f, indent=1)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    many() if "--many" in sys.argv else main()
