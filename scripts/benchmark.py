@@ -296,19 +296,23 @@ def throughput(results, flops):
     out_tok_s = produced / wall
     flops_per_tok = 2 * (mc.num_params() - mc.vocab_size * mc.hidden_size * (not mc.tie_word_embeddings))
     stats = llm.engine.stats()
-    # Where a step's device time goes: a decode step of max_num_seqs sequences at the run's mean
-    # context (512 prompt + 128), split by kernel kind.
-    decode = profile_decode(llm, random_prompts(rng, seqs, [512 + 128] * seqs, mc.vocab_size))
     dev = jax.devices()[0]
     mem = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
-    results["throughput"] = dict(
+    res = results["throughput"] = dict(
         requests=n, output_tok_s=out_tok_s, total_tok_s=(produced + 512 * n) / wall,
         mfu=(produced + 512 * n) * flops_per_tok / wall / flops, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
         tpot_p50_ms=pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) * 1e3, peak_memory_gib=mem / 2**30,
         kv_pages=stats["kv_pages_total"], page_size=llm.engine.config.page_size, max_num_batched_tokens=budget, warmup_s=warm,
         compilations_after_warmup=compilations, preemptions=stats["preemptions"],
-        steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall,
-        **{f"decode{seqs}_{k}": v for k, v in decode.items()})
+        steps=stats["steps"], host_ms_per_step=stats["host_time_per_step"] * 1e3, wall_s=wall)
+    log.info("throughput: %.0f output tok/s (%d preemptions)", out_tok_s, stats["preemptions"])
+    # Where a step's device time goes: a decode step of max_num_seqs sequences (or as many as the KV
+    # pool holds, e.g. Mixtral's on one H200) at the run's mean context (512 prompt + 128), split by
+    # kernel kind.
+    ctx = 512 + 128
+    fit = min(seqs, llm.engine.blocks.num_free // -(-ctx // llm.engine.config.page_size))
+    decode = profile_decode(llm, random_prompts(rng, fit, [ctx] * fit, mc.vocab_size))
+    res.update({f"decode{fit}_{k}": v for k, v in decode.items()})
     del llm
     gc.collect()
 
@@ -501,23 +505,25 @@ def main(argv):
     from ceilings import matmul_rate, read_bandwidth  # scripts/ is on sys.path when run as a script
     bw, flops = read_bandwidth(), matmul_rate()
     results["read_bandwidth_gb_s"], results["matmul_tflop_s"] = bw / 1e9, flops / 1e12
-    for w in F.workload:
-        save(results)  # after each workload, so a run cut short still leaves its figures
-        if w == "offline":
-            offline(results)
-        elif w == "latency":
-            latency(results, bw)
-        elif w == "throughput":
-            throughput(results, flops)
-        elif w == "prefix":
-            prefix(results)
-        elif w == "decode":
-            decode(results)
-        elif w == "cpu":
-            cpu(results)
-        elif w != "hf":
-            raise app.UsageError(f"unknown workload {w!r}")
-    save(results)
+    try:
+        for w in F.workload:
+            save(results)  # after each workload, and on failure, so a run cut short still leaves its figures
+            if w == "offline":
+                offline(results)
+            elif w == "latency":
+                latency(results, bw)
+            elif w == "throughput":
+                throughput(results, flops)
+            elif w == "prefix":
+                prefix(results)
+            elif w == "decode":
+                decode(results)
+            elif w == "cpu":
+                cpu(results)
+            elif w != "hf":
+                raise app.UsageError(f"unknown workload {w!r}")
+    finally:
+        save(results)
     print_table(results)
 
 
