@@ -1,20 +1,27 @@
 """Structured outputs: what constrained decoding costs, side by side in one run.
 
-1. Decode throughput of ``--num_seqs`` concurrent sequences (``--num_prompts`` requests kept
+1. Output throughput of ``--max_num_seqs`` concurrent sequences (``--num_prompts`` requests kept
    queued so every slot stays busy), every one constrained (``--constraint``: ``schema``, a JSON
    schema of a record list long enough to fill ``--output_len``; or ``json_object``), against the
-   same requests unconstrained (``ignore_eos``, so they run to ``--output_len``). Reported: output
-   tok/s of each, their ratio (target >= 0.85), host time per step.
+   same requests unconstrained, each generating exactly as many tokens as it did constrained
+   (``ignore_eos``): the same work, so the ratio is the constraint's cost. Each run goes twice and
+   the second counts (the first compiles what it meets). Reported: output tok/s of each, their
+   ratio (target >= 0.85), host time per step, compilations during the counted runs.
 2. Constraint compile time over the schemas shipped in tests/data/json_schemas.json (p50/p99, each
    compiled cold in a fresh compiler), and the cache: compiling them all again must hit every time.
 
     python scripts/bench_structured.py                                   # CPU, embedded SmolLM2
+    # H200: llama3-8b shapes, dummy weights, SmolLM2's tokenizer (the directory bench_serving_h200.sh makes)
+    python scripts/make_dummy_model.py --shapes llama3-8b --out /tmp/llama3-8b-smollm2tok
     python scripts/bench_structured.py --model /tmp/llama3-8b-smollm2tok --load_format dummy \\
-        --num_seqs 256 --num_prompts 1024 --constraint json_object --out $OUT/structured-h200.json
+        --max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256 \\
+        --page_buckets 64 --num_prompts 1024 --output_len 256 --constraint json_object \\
+        --compilation_cache_dir /tmp/xla-cache --out $OUT/structured-h200.json
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -22,14 +29,14 @@ import time
 import numpy as np
 from absl import app, flags
 
-import model_flags  # scripts/ is on sys.path when run as a script
+import engine_flags  # scripts/ is on sys.path when run as a script
+import model_flags
 
+flags.adopt_module_key_flags(engine_flags)
 flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_integer("num_seqs", 16, "Concurrent sequences (max_num_seqs).")
-flags.DEFINE_integer("num_prompts", 48, "Requests per run (queued, so all num_seqs slots stay busy).")
-flags.DEFINE_integer("output_len", 128, "Tokens per request (unconstrained: exactly; constrained: at most).")
+flags.DEFINE_integer("num_prompts", 48, "Requests per run (queued, so all max_num_seqs slots stay busy).")
+flags.DEFINE_integer("output_len", 128, "Most tokens per request.")
 flags.DEFINE_enum("constraint", "schema", ["schema", "json_object"], "What every constrained request asks for.")
-flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget per step (default: the engine's).")
 flags.DEFINE_string("out", "results/structured.json", "Where to write the JSON results.")
 F = flags.FLAGS
 
@@ -47,9 +54,11 @@ RECORDS = {"type": "object", "properties": {
 TOPICS = ["customers", "cities", "products", "books", "sensors", "games", "recipes", "planets"]
 
 
-def run(llm, prompts, params) -> dict:
+def run(llm, prompts, params) -> tuple[dict, list]:
+    """Generate twice (the first compiles whatever step shapes it meets); figures of the second."""
     eng = llm.engine
-    c0 = dict(eng.counters)
+    llm.generate(prompts, params)
+    c0, compilations = dict(eng.counters), eng.num_compilations
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -57,7 +66,9 @@ def run(llm, prompts, params) -> dict:
     steps = eng.counters["steps"] - c0["steps"]
     return dict(wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall, steps=steps,
                 host_ms_per_step=1e3 * (eng.counters["host_time"] - c0["host_time"]) / max(1, steps),
-                finish_reasons={r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}})
+                compilations=eng.num_compilations - compilations,
+                finish_reasons={r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}}
+                ), outs
 
 
 def compile_times(tokenizer, vocab_size, eos) -> dict:
@@ -82,33 +93,27 @@ def compile_times(tokenizer, vocab_size, eos) -> dict:
 def main(argv):
     from jaxinfer import LLM, SamplingParams, StructuredOutputs
 
-    options = dict(max_num_seqs=F.num_seqs, max_model_len=1024)
-    if F.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = F.max_num_batched_tokens
-    llm = LLM(F.model, **model_flags.load_options(), **model_flags.parallel_options(), **options)
+    llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
     mc = llm.engine.model_config
     structured = StructuredOutputs(json=RECORDS) if F.constraint == "schema" else StructuredOutputs(json_object=True)
     prompts = [f"A JSON list of {TOPICS[i % len(TOPICS)]} (#{i}):" for i in range(F.num_prompts)]
-    free = SamplingParams(max_tokens=F.output_len, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured)
-    warm = prompts[:F.num_seqs]  # compiles both kinds of step for the shapes the runs take
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, structured=structured))
-    results = dict(device=str(llm.engine.runner.cache.k.devices()), model=F.model, num_seqs=F.num_seqs,
+    results = dict(device=str(llm.engine.runner.cache.k.devices()), model=F.model, max_num_seqs=F.max_num_seqs,
                    num_prompts=F.num_prompts, output_len=F.output_len, constraint=F.constraint)
-    results["free"] = run(llm, prompts, free)
-    results["constrained"] = run(llm, prompts, constrained)
+    results["constrained"], outs = run(llm, prompts, SamplingParams(
+        max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured))
+    results["free"], _ = run(llm, prompts, [SamplingParams(max_tokens=len(o.token_ids), temperature=0.0,
+                                                           ignore_eos=True) for o in outs])
     results["throughput_ratio"] = results["constrained"]["output_tok_s"] / results["free"]["output_tok_s"]
     results["compile"] = compile_times(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
     results["command"] = "python scripts/bench_structured.py " + " ".join(argv[1:])
     os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     with open(F.out, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"\n{'run':<12} {'output tok/s':>12} {'tokens':>8} {'steps':>6} {'host ms/step':>13}  finish")
+    print(f"\n{'run':<12} {'output tok/s':>12} {'tokens':>8} {'steps':>6} {'host ms/step':>13} {'compiles':>8}  finish")
     for k in ("free", "constrained"):
         r = results[k]
         print(f"{k:<12} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['steps']:>6} "
-              f"{r['host_ms_per_step']:>13.2f}  {r['finish_reasons']}")
+              f"{r['host_ms_per_step']:>13.2f} {r['compilations']:>8}  {r['finish_reasons']}")
     c = results["compile"]
     print(f"throughput ratio constrained/free: {results['throughput_ratio']:.3f} (target >= 0.85)")
     print(f"compile over {c['schemas']} schemas: p50 {c['compile_ms_p50']:.2f} ms, p99 {c['compile_ms_p99']:.2f} ms, "
