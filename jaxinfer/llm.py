@@ -29,9 +29,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
-        """Compile every step shape ahead of time; returns the seconds it took."""
-        return self.engine.warmup(shapes, greedy_only)
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+        """Compile every step shape ahead of time (``structured``: also those of steps with
+        constrained requests); returns the seconds it took."""
+        return self.engine.warmup(shapes, greedy_only, structured)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -18,7 +18,7 @@ from jaxinfer.sampling import apply_bitmask
 
 SCHEMAS = json.load(open(os.path.join(os.path.dirname(__file__), "data", "json_schemas.json")))
 TOPICS = ["a customer", "a city", "a product", "a book", "the weather", "a game", "a recipe"]
-OPTS = dict(max_num_seqs=16, max_model_len=512)
+OPTS = dict(max_num_seqs=32, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +166,18 @@ def test_bad_constraint_raises_at_add_request(llm, structured, match):
     assert "bad" not in eng.requests and not eng.has_unfinished()
     with pytest.raises(TypeError, match="StructuredOutputs"):
         SamplingParams(structured={"json": {}})
+
+
+def test_structured_warmup_compiles_every_constrained_step():
+    llm = LLM("smollm2-135m", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, token_buckets=(16,),
+              seq_buckets=(4,), page_buckets=(8,))
+    llm.warmup(greedy_only=True, structured=True)
+    compiled = llm.engine.num_compilations
+    outs = llm.generate(["A JSON object:", "Yes or no?", "Hello"], [
+        greedy(16, structured=StructuredOutputs(json_object=True)),
+        greedy(4, structured=StructuredOutputs(choice=["yes", "no"])), greedy(4)])
+    assert outs[1].text in ("yes", "no")
+    assert llm.engine.num_compilations == compiled
 
 
 def test_constraint_needs_a_tokenizer():

@@ -380,10 +380,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- introspection
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
-        """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds."""
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+        """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds.
+        ``structured``: also what steps with constrained requests run (else compiled on first use)."""
         t0 = time.perf_counter()
-        self.runner.warmup(shapes, greedy_only)
+        self.runner.warmup(shapes, greedy_only, structured)
         return time.perf_counter() - t0
 
     @property

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batching import multihost
 from jaxinfer.batching.scheduler import ScheduledBatch
+from jaxinfer.batching.structured import bitmask_width
 from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
@@ -359,20 +360,30 @@ class ModelRunner:
         variants = (True,) if greedy_only else (True, False)
         return [(x, d, g) for x, d in steps for g in variants]
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
-        """Compile every step of ``warmup_plan`` ahead of time, without running any."""
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> None:
+        """Compile every step of ``warmup_plan`` ahead of time, without running any; ``structured``:
+        also the forward and sampling halves that steps with constrained sequences run as."""
         plan = self.warmup_plan(shapes, greedy_only)
-        if len(plan) > self.max_executables:
-            raise ValueError(f"warm-up would compile {len(plan)} steps but max_executables is "
+        count = len(plan) + (len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan})
+                             if structured else 0)
+        if count > self.max_executables:
+            raise ValueError(f"warm-up would compile {count} steps but max_executables is "
                              f"{self.max_executables}: raise it or use fewer buckets")
         for (t, s, p), decode_only, greedy in tqdm(plan, desc="compiling buckets", unit="step"):
             tokens = np.zeros(t, np.int32)
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-            inputs, packing = pack_inputs((tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS)))
-            self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing,
-                           dict(greedy_only=greedy, num_logprobs=None, penalties=False))
+            sb, flags = SamplingBatch.greedy(s, _PENALTY_SLOTS), dict(greedy_only=greedy, num_logprobs=None,
+                                                                       penalties=False)
+            inputs, packing = pack_inputs((tokens, tokens, md, sb))
+            self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
+            if structured:
+                inputs, packing = pack_inputs((tokens, tokens, md))
+                forward = self._compiled(self._forward, (self.weights, self.cache, self.last_tokens, inputs), packing,
+                                         {})
+                inputs, packing = pack_inputs((sb, np.zeros((s, bitmask_width(self.config.vocab_size)), np.int32)))
+                self._compiled(self._sample, (forward.out_info[0], self.last_tokens, inputs), packing, flags)
         if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
             c = self.config
             for t in sorted({t for (t, _, _), _, _ in plan}):
