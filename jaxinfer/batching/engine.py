@@ -309,6 +309,9 @@ class LLMEngine:
         logprobs = np.asarray(result.logprobs) if want_lp else None
         top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
         top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        # Constrained requests' matchers take their tokens; "complete": nothing but EOS may follow.
+        complete = set() if self._matchers is None else self._matchers.advance(
+            [(batch.seqs[i].request_id, int(tokens[i])) for i in sampled if batch.seqs[i].status is not Status.FINISHED])
         outputs = []
         for i in sampled:
             seq = batch.seqs[i]
@@ -321,18 +324,16 @@ class LLMEngine:
                 if seq.params.logprobs and top_ids is not None:
                     top.update(zip(top_ids[i, :seq.params.logprobs].tolist(),
                                    top_lps[i, :seq.params.logprobs].tolist()))
-            outputs.append(self._append_token(seq, int(tokens[i]), top))
+            outputs.append(self._append_token(seq, int(tokens[i]), top, seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, top: dict[int, float] | None) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, top: dict[int, float] | None,
+                      complete: bool = False) -> RequestOutput:
         p = seq.params
         tr = self._trackers[seq.request_id]
         stop_cut = False
         self.counters["generation_tokens"] += 1
-        # A constrained request's matcher takes every sampled token; "complete": nothing but EOS may follow.
-        complete = self._matchers is not None and seq.request_id in self._matchers and self._matchers.advance(
-            seq.request_id, token)
         if (token in self.model_config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         else:

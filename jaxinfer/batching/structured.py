@@ -65,7 +65,9 @@ class ConstraintCompiler:
             raise ValueError("structured outputs need a tokenizer; this model has none (dummy weights without "
                              "a tokenizer directory)")
         self.vocab_size = vocab_size or len(tokenizer)
-        eos = list(eos_token_ids) if eos_token_ids else tokenizer.eos_token_id
+        # The model's EOS ids that the tokenizer knows (a checkpoint paired with another model's
+        # tokenizer, as the dummy-weight benchmarks are, may have none: then the tokenizer's own).
+        eos = [t for t in eos_token_ids or () if t < len(tokenizer)] or tokenizer.eos_token_id
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._lock = threading.Lock()  # the server may compile from its request threads
@@ -171,13 +173,20 @@ class Matchers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_request
 
-    def advance(self, request_id: str, token: int) -> bool:
-        """Consume a sampled token; True when the constraint is complete and nothing but EOS can follow."""
-        m = self._by_request[request_id]
-        if not m.consume_token(token):
-            raise RuntimeError(f"request {request_id}: sampled token {token} violates its constraint "
-                               f"(the bitmask should have excluded it): {m.get_error()}")
-        return m.is_stopped()
+    def advance(self, tokens: list[tuple[str, int]]) -> set[str]:
+        """Consume each ``(request id, sampled token)`` of a constrained request (others are skipped),
+        in parallel; returns the requests whose constraint is now complete (nothing but EOS may follow)."""
+        import llguidance.numpy
+
+        pairs = [(self._by_request[rid], token, rid) for rid, token in tokens if rid in self._by_request]
+        if not pairs:
+            return set()
+        ok = llguidance.numpy.consume_token_par(self._executor, [(m, t) for m, t, _ in pairs])
+        for (m, token, rid), good in zip(pairs, ok):
+            if not good:
+                raise RuntimeError(f"request {rid}: sampled token {token} violates its constraint "
+                                   f"(the bitmask should have excluded it): {m.get_error()}")
+        return {rid for m, _, rid in pairs if m.is_stopped()}
 
     def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> None:
         """Write the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32, C
