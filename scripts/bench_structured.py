@@ -11,12 +11,7 @@
    compiled cold in a fresh compiler), and the cache: compiling them all again must hit every time.
 
     python scripts/bench_structured.py                                   # CPU, embedded SmolLM2
-    # H200: llama3-8b shapes, dummy weights, SmolLM2's tokenizer (the directory bench_serving_h200.sh makes)
-    python scripts/make_dummy_model.py --shapes llama3-8b --out /tmp/llama3-8b-smollm2tok
-    python scripts/bench_structured.py --model /tmp/llama3-8b-smollm2tok --load_format dummy \\
-        --max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256 \\
-        --page_buckets 64 --num_prompts 1024 --output_len 256 --constraint json_object \\
-        --compilation_cache_dir /tmp/xla-cache --out $OUT/structured-h200.json
+    bash scripts/bench_structured_h200.sh json_object                    # H200: llama3-8b dummy, 256 sequences
 """
 
 from __future__ import annotations

@@ -190,8 +190,8 @@ def test_eos_allowed_exactly_when_complete_and_compiles_cached(smollm2_tokenizer
     comp = ConstraintCompiler(smollm2_tokenizer, eos_token_ids=[2])
     yes_no = StructuredOutputs(choice=("yes", "no"))
 
-    def allowed(m):
-        mask = np.full((1, (len(smollm2_tokenizer) + 31) // 32), -1, np.int32)
+    def allowed(m, vocab=len(smollm2_tokenizer)):
+        mask = np.full((1, (vocab + 31) // 32), -1, np.int32)
         import llguidance.numpy
         llguidance.numpy.fill_next_token_bitmask(m, mask, 0)
         return set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
@@ -209,6 +209,11 @@ def test_eos_allowed_exactly_when_complete_and_compiles_cached(smollm2_tokenizer
     comp.compile(StructuredOutputs(json=schema))
     comp.compile(StructuredOutputs(json=json.dumps(schema)))  # as text: the same constraint
     assert (comp.misses, comp.hits) == (3, 2)
+    # A model whose EOS ids the tokenizer lacks (llama3-8b shapes with SmolLM2's tokenizer, as the
+    # dummy-weight benchmarks pair them): the tokenizer's own EOS ends a constraint.
+    wide = ConstraintCompiler(smollm2_tokenizer, 128256, (128001, 128009)).matcher(yes_no)
+    assert wide.consume_tokens(smollm2_tokenizer.encode("yes", add_special_tokens=False))
+    assert allowed(wide, 128256) == {smollm2_tokenizer.eos_token_id}
 
 
 def test_apply_bitmask_masks_exactly_the_cleared_bits():

@@ -256,7 +256,7 @@ class LLMEngine:
             self._inflight = None
         batch = self.scheduler.schedule()
         inflight, self._inflight = self._inflight, None
-        if batch.seqs and self._matchers is not None and any(s.request_id in self._matchers for s in batch.seqs):
+        if batch.seqs and self._matchers and any(s.request_id in self._matchers for s in batch.seqs):
             # Constrained rows need their bitmask, which needs the last step's tokens: dispatch the
             # forward pass, read the last step while it runs, then fill the bitmask and sample.
             rows, sample_with = self.runner.run_forward(batch)
@@ -310,7 +310,7 @@ class LLMEngine:
         top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
         top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
         # Constrained requests' matchers take their tokens; "complete": nothing but EOS may follow.
-        complete = set() if self._matchers is None else self._matchers.advance(
+        complete = set() if not self._matchers else self._matchers.advance(
             [(batch.seqs[i].request_id, int(tokens[i])) for i in sampled if batch.seqs[i].status is not Status.FINISHED])
         outputs = []
         for i in sampled:

@@ -173,6 +173,9 @@ class Matchers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_request
 
+    def __len__(self) -> int:
+        return len(self._by_request)
+
     def advance(self, tokens: list[tuple[str, int]]) -> set[str]:
         """Consume each ``(request id, sampled token)`` of a constrained request (others are skipped),
         in parallel; returns the requests whose constraint is now complete (nothing but EOS may follow)."""
