@@ -95,10 +95,12 @@ def test_regex_choice_grammar_and_json_object_outputs_match(llm):
 def test_max_tokens_and_stop_strings_cut_constrained_output(llm):
     schema = SCHEMAS[0]["schema"]
     full, cut, stopped = llm.generate(["JSON describing a customer:"] * 3, [
-        greedy(64, structured=StructuredOutputs(json=schema)), greedy(5, structured=StructuredOutputs(json=schema)),
+        greedy(64, structured=StructuredOutputs(json=schema)),
+        greedy(5, structured=StructuredOutputs(json=schema), logprobs=2),
         greedy(64, structured=StructuredOutputs(json=schema), stop=['"age"'])])
     assert full.finish_reason == "stop" and '"age"' in full.text
     assert cut.finish_reason == "length" and cut.token_ids == full.token_ids[:5]
+    assert [len(lp) >= 1 and t in lp for t, lp in zip(cut.token_ids, cut.logprobs)] == [True] * 5
     assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.index('"age"')]
 
 

@@ -125,6 +125,11 @@ def unpack_inputs(buf: jax.Array, packing: Packing):
     return jax.tree.unflatten(packing.treedef, leaves)
 
 
+def _as_last_tokens(result: SampleResult, prev_tokens: jax.Array) -> jax.Array:
+    """A step's sampled tokens padded to the largest sequence bucket, where the next step reads them."""
+    return jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
                  ops: Ops, max_logprobs: int = 20, mesh=None, max_executables: int = 256):
@@ -184,25 +189,27 @@ class ModelRunner:
         log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s penalties=%s",
                  tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
                  num_logprobs, penalties)
-        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
-        logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._ops)
+        logits, cache = self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
         result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
-        return result, cache, jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
+        return result, cache, _as_last_tokens(result, prev_tokens)
+
+    def _forward_tokens(self, weights, cache, prev_tokens, tokens, positions, md):
+        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
+        return forward(weights, tokens, positions, cache, md, self.config, self._ops)
 
     def _forward_fn(self, weights, cache, prev_tokens, inputs, *, packing):
         self.num_compilations += 1
         tokens, positions, md = unpack_inputs(inputs, packing)
         log.info("compiling forward: tokens=%d seqs=%d pages=%d decode_only=%s", tokens.shape[0],
                  md.page_table.shape[0], md.page_table.shape[1], md.decode_only)
-        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)
-        return forward(weights, tokens, positions, cache, md, self.config, self._ops)
+        return self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
 
     def _sample_fn(self, logits, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties):
         self.num_compilations += 1
         sb, bitmask = unpack_inputs(inputs, packing)
         result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties,
                         bitmask=bitmask)
-        return result, jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
+        return result, _as_last_tokens(result, prev_tokens)
 
     def prepare(self, batch: ScheduledBatch):
         """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
