@@ -14,7 +14,6 @@ import time
 from typing import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batching import multihost
