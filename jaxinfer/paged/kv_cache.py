@@ -64,7 +64,7 @@ def quantize_rows(x: jax.Array, amax: jax.Array, dtype) -> tuple[jax.Array, jax.
     scale = amax / qmax
     y = jnp.clip(x / jnp.where(scale > 0, scale, 1.0)[..., None], -qmax, qmax)
     if jnp.issubdtype(dtype, jnp.integer):
-        y = jnp.round(y)
+        y = jnp.floor(y + 0.5)  # round half up: Pallas' Triton lowering has floor, not round
     return y.astype(dtype), scale
 
 
