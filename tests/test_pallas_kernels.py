@@ -147,7 +147,8 @@ def test_matches_reference(kernel, case):
     assert rel_err(out[:n_real], np.asarray(ref.astype(jnp.float32))[:n_real]) < tol
 
 
-@pytest.mark.parametrize("case,kv_cache_dtype", [("gqa1_f32_d128_softcap_window", "fp8"), ("mixed_bf16_gqa8_d128", "int8")])
+@pytest.mark.parametrize("case,kv_cache_dtype", [("gqa1_f32_d128_softcap_window", "fp8"),
+                                                 ("mixed_bf16_gqa8_d128", "int8")])
 def test_gpu_quantized_cache_matches_reference(case, kv_cache_dtype):
     """The GPU kernels over an int8/fp8 cache against the reference over the same codes and scales
     (which dequantizes the gathered context before attending): the float cases' tolerance, since the
