@@ -449,7 +449,7 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     if backend == "pallas_gpu":
         interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) else fn
                        for name, fn in get_kernels(backend).items()}
-        monkeypatch.setattr(engine, "get_kernels", lambda *_, **__: interpreted)
+        monkeypatch.setattr(engine, "get_kernels", lambda *_: interpreted)
     got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 

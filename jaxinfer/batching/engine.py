@@ -150,7 +150,7 @@ class LLMEngine:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
                              f"max_model_len/page_size={pages_per_seq}")
-        ops = Ops(**get_kernels(config.attention_backend, mc.head_dim, kv_quantized=config.kv_cache_dtype != "auto"))
+        ops = Ops(**get_kernels(config.attention_backend, mc.head_dim, config.kv_cache_dtype != "auto"))
         if self.mesh is not None:
             ops = sharding.sharded_ops(ops, mc, self.mesh)
         self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh,
