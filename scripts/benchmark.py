@@ -3,8 +3,8 @@
 Workloads (``--workload``):
   offline     many requests with a length distribution: continuous batching vs static batching
               (each batch waits for its longest request) vs transformers (padded static batch).
-  latency     batch 1, 128-token prompt, 256 new tokens: ms per token and fraction of the
-              memory-bandwidth limit (weights + KV read per step over the measured read bandwidth).
+  latency     batch 1, 128-token prompt (--latency_prompt_len), 256 new tokens: ms per token and fraction
+              of the memory-bandwidth limit (weights + KV read per step over the measured read bandwidth).
   throughput  1000 requests x (512 random prompt + 256 output) tokens: output tok/s, MFU, TTFT/TPOT.
   prefix      500 requests sharing a 1024-token system prompt + 64 unique: prefix caching on vs off.
   hf          transformers generate at --hf_batch_sizes on the same config and weights (the peer).
@@ -43,6 +43,8 @@ flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, decode, hf, cpu.")
 flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
 flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
+flags.DEFINE_integer("latency_prompt_len", 128, "latency: prompt tokens (long contexts show the KV cache's "
+                     "share of a step, e.g. 4096 with --kv_cache_dtype).")
 flags.DEFINE_integer("throughput_requests", 1000, "throughput: number of requests.")
 flags.DEFINE_integer("throughput_max_num_seqs", 256, "throughput: max_num_seqs.")
 flags.DEFINE_integer("throughput_max_num_batched_tokens", 2048, "throughput: token budget per step.")
@@ -170,20 +172,26 @@ def weight_bytes(llm) -> float:
 
 
 def latency(results, bw):
-    mc_llm = make_llm(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=512,
-                      token_buckets=(1, 128), seq_buckets=(1,), page_buckets=(32,))
+    import jax
+    plen = F.latency_prompt_len
+    max_len = -(-(plen + 256) // 512) * 512  # 512 (32 pages of 16) at the default 128-token prompt
+    budget = max(128, min(plen, 2048))
+    mc_llm = make_llm(max_num_seqs=1, max_num_batched_tokens=budget, max_model_len=max_len,
+                      token_buckets=(1, budget), seq_buckets=(1,), page_buckets=(max_len // 16,))
     warm = mc_llm.warmup(greedy_only=True)
     rng = np.random.default_rng(1)
     mc = mc_llm.engine.model_config
-    prompt = random_prompts(rng, 1, [128], mc.vocab_size)
+    prompt = random_prompts(rng, 1, [plen], mc.vocab_size)
     run_requests(mc_llm, prompt, [8])
     wall, ttft, tpot, n = run_requests(mc_llm, prompt, [256])
     step = float(tpot[0])
     prof = profile_engine(mc_llm, prompt[0], 256)
-    kv_tok = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * mc_llm.engine.runner.cache.k.dtype.itemsize
-    read = weight_bytes(mc_llm) + kv_tok * (128 + 128)  # weights + average context read per step
-    results["latency"] = dict(ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3, **prof,
-                              bytes_per_step=read, bw_fraction=read / step / bw, warmup_s=warm)
+    cache = mc_llm.engine.runner.cache  # bytes per token: codes and, for int8/fp8, their scales
+    kv_tok = sum(x.nbytes for x in jax.tree.leaves(cache)) / (cache.num_pages * cache.page_size)
+    read = weight_bytes(mc_llm) + kv_tok * (plen + 128)  # weights + average context read per step
+    results["latency"] = dict(prompt_len=plen, ms_per_token=step * 1e3, tok_s=1 / step, ttft_ms=float(ttft[0]) * 1e3,
+                              **prof, kv_bytes_per_token=kv_tok, bytes_per_step=read, bw_fraction=read / step / bw,
+                              warmup_s=warm)
     del mc_llm
     gc.collect()
 
@@ -496,7 +504,7 @@ def main(argv):
     del argv
     logging.basicConfig(level=logging.WARNING)
     results = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), model=F.model,
-                   load_format=F.load_format, quantization=F.quantization)
+                   load_format=F.load_format, quantization=F.quantization, kv_cache_dtype=F.kv_cache_dtype)
     if "hf" in F.workload:  # before JAX takes the GPU memory
         hf_peer(results)
     import jax

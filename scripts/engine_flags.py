@@ -29,7 +29,7 @@ flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the
 F = flags.FLAGS
 
 # The flags that pass through unchanged to scripts/serve.py when a benchmark launches it.
-NAMES = ("model", "load_format", "dtype", "quantization", "compilation_cache_dir", "max_num_seqs",
+NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "compilation_cache_dir", "max_num_seqs",
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
          "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel")
 

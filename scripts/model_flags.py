@@ -18,6 +18,9 @@ flags.DEFINE_enum("quantization", "auto", ["auto", *QUANTIZATIONS],
                   "Weight quantization (auto: on accelerators a .gguf file runs in its own blocks unless --dtype "
                   "is given; gguf: those blocks anywhere; none: full precision; int8/int4[-gN]/fp8: quantized "
                   "at load).")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8"],
+                  "KV cache storage (vLLM's --kv-cache-dtype): auto: the model's dtype; int8 / fp8 (e4m3): "
+                  "codes with a float32 scale per token and kv head, about half of bf16's bytes.")
 flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default: "
                     "$XDG_CACHE_HOME/jaxinfer/xla; '' turns it off): later runs skip "
                     "recompiling.")
@@ -35,7 +38,7 @@ def load_options() -> dict:
     """The engine options that choose how the weights are loaded."""
     f = flags.FLAGS
     return dict(load_format=f.load_format, dtype=f.dtype, quantization=f.quantization,
-                compilation_cache_dir=f.compilation_cache_dir)
+                kv_cache_dtype=f.kv_cache_dtype, compilation_cache_dir=f.compilation_cache_dir)
 
 
 def parallel_options() -> dict:

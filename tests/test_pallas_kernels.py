@@ -25,7 +25,7 @@ from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.models.config import PRESETS
 from jaxinfer.models.layers import Ops, rope_frequencies, rope_write_kv
-from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.paged.kv_cache import KVCache, dequantize, kv_storage_dtype, quantize
 from jaxinfer.pallas_kernels import BACKENDS, get_kernels
 from jaxinfer.pallas_kernels import gpu, rope_kv, tpu
 
@@ -78,6 +78,32 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
+def quantized_cache(kc, vc, kv_cache_dtype: str) -> KVCache:
+    """Float caches' values as an int8/fp8 cache (codes and per-token-per-head scales)."""
+    dtype = kv_storage_dtype(kv_cache_dtype, jnp.float32)
+    (kq, ks), (vq, vs) = quantize(kc, dtype), quantize(vc, dtype)
+    return KVCache(kq, vq, ks, vs)
+
+
+def assert_quantized_caches_close(got: KVCache, want: KVCache, written: np.ndarray | None = None):
+    """Two quantized caches agree: every dequantized value within one quantization step (a kernel's
+    float rounding of a value before quantizing, e.g. its RMS scale summed in another order, may tip
+    a code across a rounding boundary or move a scale by an ulp), and at least 99% of codes equal.
+    ``written``: flat slots that must have changed from zero scales (the write happened)."""
+    for (c, x), (wc, wx) in (((got.k, got.k_scale), (want.k, want.k_scale)),
+                             ((got.v, got.v_scale), (want.v, want.v_scale))):
+        assert c.dtype == wc.dtype and x.dtype == wx.dtype == jnp.float32
+        a, b = np.asarray(dequantize(c, x)), np.asarray(dequantize(wc, wx))
+        scale = np.asarray(wx)[..., None]
+        # One code step: int8's is the scale; e4m3's (3 mantissa bits) at most an eighth of the value,
+        # and 2**-9 (its subnormal step) of the scale near zero.
+        step = (scale if wc.dtype == jnp.int8 else np.abs(b) / 8 + scale * 2.0 ** -9) * 1.001 + 1e-6
+        assert (np.abs(a - b) <= step).all()
+        assert (np.asarray(c.astype(jnp.float32)) == np.asarray(wc.astype(jnp.float32))).mean() >= 0.99
+        if written is not None:
+            assert (np.asarray(x)[1].reshape(-1, x.shape[-1])[written] > 0).all()
+
+
 CASES = {
     # name: (seqs [(q_len, seq_len)], page_size, kv_heads, head_dim, group, dtype, soft_cap, window)
     "mixed_f32_gqa3_d64": ([(1, 1), (1, 15), (1, 16), (1, 17), (1, 70), (5, 5), (9, 40)],
@@ -117,6 +143,33 @@ def test_matches_reference(kernel, case):
     assert np.isfinite(out).all()
     n_real = int(md.query_start[-1])
     assert not out[n_real:].any(), "padding tokens must produce zeros"
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel_err(out[:n_real], np.asarray(ref.astype(jnp.float32))[:n_real]) < tol
+
+
+@pytest.mark.parametrize("case,kv_cache_dtype", [("gqa1_f32_d128_softcap_window", "fp8"),
+                                                 ("mixed_bf16_gqa8_d128", "int8")])
+def test_gpu_quantized_cache_matches_reference(case, kv_cache_dtype):
+    """The GPU kernels over an int8/fp8 cache against the reference over the same codes and scales
+    (which dequantizes the gathered context before attending): the float cases' tolerance, since the
+    kernel's in-register dequantization (codes cast for the dot, scales on the scores and on the
+    probabilities) is the reference's up to float rounding. Pages of 32 (key blocks gathered over
+    several pages) and of 64 (one-page slices), soft cap and window, float32 and bf16 queries."""
+    seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = CASES[case]
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
+                               group=group, dtype=jnp.float32)
+    q, cache = q.astype(dtype), quantized_cache(kc, vc, kv_cache_dtype)
+    kw = dict(scale=head_dim ** -0.5 * (1.0 if soft_cap is None else soft_cap / 2), soft_cap=soft_cap,
+              sliding_window=window)
+    layer = jnp.int32(1)
+    with jax.default_matmul_precision("float32"):
+        ref = reference(q, cache.k, cache.v, layer, md, **kw, **cache.scales())
+    kernel = functools.partial(gpu.ragged_paged_attention, interpret=not ON_GPU, **kw)
+    out = jax.jit(kernel)(q, cache.k, cache.v, layer, md, **cache.scales())
+    n_real = int(md.query_start[-1])
+    out = np.asarray(out.astype(jnp.float32))
+    assert out.dtype == np.float32 and not out[n_real:].any()
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert rel_err(out[:n_real], np.asarray(ref.astype(jnp.float32))[:n_real]) < tol
 
@@ -280,13 +333,46 @@ def test_gpu_rope_write_kv_matches_reference(heads, kv_heads, head_dim, dtype, k
                               num_kv_heads=kv_heads, eps=1e-5, q_norm=jnp.ones(head_dim))
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype,kv_per_program,kv_cache_dtype", [
+    (9, 3, 64, jnp.float32, None, "int8")])  # fp8 writes: test_decoder_family_through_gpu_kernels
+def test_gpu_rope_write_kv_quantized_cache(heads, kv_heads, head_dim, dtype, kv_per_program, kv_cache_dtype):
+    """The RoPE + K/V write kernel into an int8/fp8 cache against the jnp write (``kv_cache.write_kv``
+    quantizing rope_qkv's float k/v): codes and scales of the written slots, the rest untouched
+    (SmolLM2's 9/3 heads: masked rows)."""
+    rng = np.random.default_rng(heads)
+    num_layers, num_pages, page_size, t = 2, 6, 16, 7
+    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+    cache = quantized_cache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)), kv_cache_dtype)
+    cache = dataclasses.replace(cache, k_scale=cache.k_scale.at[1].set(0.0), v_scale=cache.v_scale.at[1].set(0.0))
+    qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)), dtype)
+    x = jnp.asarray(rng.standard_normal((t, heads * head_dim)) * rng.uniform(0.2, 5.0, (t, 1)), dtype)
+    positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
+    slots = rng.permutation(num_pages * page_size)[:t]
+    slots[-2:] = num_pages * page_size  # padding tokens
+    inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-5)
+    layer = jnp.int32(1)
+    with jax.default_matmul_precision("float32"):
+        q_ref, c_ref = jax.jit(functools.partial(rope_write_kv, **kw))(qkv, x, positions, inv_freq, cache, layer,
+                                                                        jnp.asarray(slots))
+    kernel = functools.partial(rope_kv.rope_write_kv, interpret=not ON_GPU, kv_per_program=kv_per_program, **kw)
+    q, c = jax.jit(kernel)(qkv, x, positions, inv_freq, cache, layer, jnp.asarray(slots))
+    assert rel_err(q, q_ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert_quantized_caches_close(c, c_ref, written=slots[:-2])
+    for got, want in zip(jax.tree.leaves(c), jax.tree.leaves(cache)):  # layer 0 untouched
+        np.testing.assert_array_equal(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("seq_lens,page_size,kv_heads,group,head_dim,dtype,splits,block_k,soft_cap,window,extras", [
     ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, ""),
     ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None, ""),
     ((63, 65, 100), 16, 2, 1, 64, jnp.float32, 2, 32, 3.0, 20, ""),
     ((300,), 16, 8, 4, 128, jnp.bfloat16, 1, 64, None, None, ""),
     ((1, 40, 90), 16, 1, 2, 256, jnp.float32, 4, 16, 50.0, 24, "norm+traced"),
-    ((33, 64, 65), 16, 1, 7, 128, jnp.bfloat16, None, 64, None, None, "bias")])
+    ((33, 64, 65), 16, 1, 7, 128, jnp.bfloat16, None, 64, None, None, "bias"),
+    # Quantized caches: the new token is coded as the reference's write stores it and attended to so.
+    ((1, 15, 16, 17, 70), 16, 3, 3, 64, jnp.float32, None, None, None, None, "int8"),
+    ((33, 130, 2), 16, 2, 4, 128, jnp.bfloat16, 8, 64, None, None, "fp8")])
 def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_heads, group, head_dim, dtype, splits,
                                                      block_k, soft_cap, window, extras):
     """The decode-only kernel (norm scale, RoPE, K/V write and attention in one) against the jnp
@@ -310,13 +396,16 @@ def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_hea
     qkv = jnp.asarray(rng.standard_normal((t, (heads + 2 * kv_heads) * head_dim)), dtype)
     x = jnp.asarray(rng.standard_normal((t, heads * head_dim)) * rng.uniform(0.2, 5.0, (t, 1)), dtype)
     inv_freq = rope_frequencies(dataclasses.replace(PRESETS["smollm2-135m"], head_dim=head_dim))
-    cache, layer = KVCache(kc, vc), jnp.int32(1)
+    kv_quant = extras if extras in ("int8", "fp8") else None
+    cache = KVCache(kc, vc) if kv_quant is None else quantized_cache(kc.astype(jnp.float32), vc.astype(jnp.float32),
+                                                                     kv_quant)
+    layer = jnp.int32(1)
     kw = dict(scale=head_dim ** -0.5 * (1.0 if soft_cap is None else soft_cap / 2), soft_cap=soft_cap)
     ex = attention_extras(rng, extras, heads, kv_heads, head_dim, dtype)
     with jax.default_matmul_precision("float32"):
         q, c_ref = rope_write_kv(qkv, x, jnp.asarray(positions), inv_freq, cache, layer, md.slot_mapping,
                                  num_heads=heads, num_kv_heads=kv_heads, eps=1e-5, **ex)
-        ref = reference(q, c_ref.k, c_ref.v, layer, md, sliding_window=window, **kw)
+        ref = reference(q, c_ref.k, c_ref.v, layer, md, sliding_window=window, **kw, **c_ref.scales())
     kernel = functools.partial(gpu.rope_decode_attention, interpret=not ON_GPU, num_splits=splits,
                                decode_block_k=block_k, num_heads=heads, eps=1e-5, **kw, **ex)
     if "traced" in extras:
@@ -330,6 +419,12 @@ def test_gpu_rope_decode_attention_matches_reference(seq_lens, page_size, kv_hea
     assert not out[n:].any(), "padding tokens must produce zeros"
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert rel_err(out[:n], np.asarray(ref.astype(jnp.float32))[:n]) < tol
+    if kv_quant:
+        assert_quantized_caches_close(c, c_ref)
+        for got, want in zip(jax.tree.leaves(c), jax.tree.leaves(c_ref)):  # other layer untouched
+            np.testing.assert_array_equal(np.asarray(got[0].astype(jnp.float32)),
+                                          np.asarray(want[0].astype(jnp.float32)))
+        return
     for got, want in ((c.k, c_ref.k), (c.v, c_ref.v)):
         assert rel_err(got, want) < tol
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # other layer untouched
@@ -427,14 +522,17 @@ def family_config(**changes):
     return dataclasses.replace(PRESETS["tiny-llama3"], **{**fields, **changes})
 
 
-def test_decoder_family_through_gpu_kernels():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_decoder_family_through_gpu_kernels(kv_cache_dtype):
     """The generic decoder (jaxinfer.models.decoder) of a family with every option the kernels take:
     Q/K/V biases, q/k head norms, soft cap (0.5: scores of order one pass it), interleaved
     sliding-window (6, shorter than the context, across page boundaries) and global layers with their
     own RoPE bases, GQA 2; through the GPU path's kernels (interpreted off-GPU: RoPE + K/V write,
     attention, the fused decode) against the same decoder on the jnp reference, step by step: logits
     and the cache. The scanned loop, so each layer's window and RoPE frequencies reach the kernels
-    traced (static windows: the kernel tests above)."""
+    traced (static windows: the kernel tests above). With an fp8 cache too: the reference's write
+    and read of codes and scales against every GPU kernel's (RoPE + K/V write, prefill, decode and
+    the fused decode kernel)."""
     from jaxinfer.models.decoder import forward
     from jaxinfer.models.spec import init_dummy_weights
 
@@ -450,7 +548,9 @@ def test_decoder_family_through_gpu_kernels():
     interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) and not ON_GPU else fn
                    for name, fn in get_kernels("pallas_gpu").items()}
     ops = {"reference": Ops(), "kernels": Ops(**interpreted)}
-    caches = {name: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, config.head_dim) for name in ops}
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, jnp.float32)
+    caches = {name: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, config.head_dim, kv_dtype)
+              for name in ops}
     step = jax.jit(forward, static_argnames=("config", "ops"))
     for tokens, positions, md in decoder_steps():
         logits = {}
@@ -458,22 +558,27 @@ def test_decoder_family_through_gpu_kernels():
             for name, o in ops.items():
                 logits[name], caches[name] = step(weights, tokens, positions, caches[name], md, config=config, ops=o)
         assert rel_err(logits["kernels"], logits["reference"]) < 1e-5
+        if caches["reference"].quantized:
+            assert_quantized_caches_close(caches["kernels"], caches["reference"])
+            continue
         for got, want in zip(jax.tree.leaves(caches["kernels"]), jax.tree.leaves(caches["reference"])):
             assert rel_err(got, want) < 1e-5
 
 
-def test_gpu_family_step_lowers_for_cuda():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_gpu_family_step_lowers_for_cuda(kv_cache_dtype):
     """The family's steps with the GPU kernels (head_dim 256, Gemma 2's; static windows: the unrolled
     loop), lowered for CUDA (on CPU too: Pallas emits the Triton IR here, so an operation Triton
     cannot lower fails here, not first on the H200): per layer the RoPE + K/V write, decode and
     prefill kernels in mixed steps, the fused decode kernel alone in the decode-only one; and no
-    ``while`` loop (see test_gpu_step_has_no_host_synced_loops)."""
+    ``while`` loop (see test_gpu_step_has_no_host_synced_loops). Over bf16, int8 and fp8 caches."""
     from jaxinfer.models.decoder import forward
     from jaxinfer.models.spec import abstract_weights
 
     config = family_config(head_dim=256, layer_loop="unroll")
     weights = abstract_weights(config, jnp.bfloat16)
-    cache = jax.eval_shape(lambda: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, 256, jnp.bfloat16))
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, jnp.bfloat16)
+    cache = jax.eval_shape(lambda: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, 256, kv_dtype))
     step = jax.jit(forward, static_argnames=("config", "ops"))
     for tokens, positions, md in decoder_steps():
         text = step.trace(weights, tokens, positions, cache, md, config=config, ops=Ops(**get_kernels("pallas_gpu"))

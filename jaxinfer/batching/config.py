@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
+from jaxinfer.paged.kv_cache import KV_CACHE_DTYPES
 from jaxinfer.pallas_kernels import BACKENDS
 from jaxinfer.user_cache import user_cache_dir
 
@@ -12,6 +13,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "load_format": LOAD_FORMATS,
     "quantization": ("auto", *QUANTIZATIONS),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "scheduling_policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute", "swap"),
     "attention_backend": BACKENDS,
@@ -48,6 +50,11 @@ class EngineConfig:
       ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
       must be the device count (checked against the model when the engine is built). Not yet with
       an explicit ``quantization`` (``"auto"`` then means full precision).
+    - ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``): ``"auto"`` stores K/V in the model's dtype;
+      ``"int8"`` and ``"fp8"`` (float8_e4m3fn) store codes with a float32 scale per token and kv head
+      (``jaxinfer.paged.kv_cache``): about half of bf16's bytes, so the default pool holds about twice
+      the pages. The reference and ``pallas_gpu`` backends read them; not yet with the TPU kernel nor
+      with ``tensor_parallel > 1``.
     """
 
     page_size: int = 16
@@ -61,6 +68,7 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -88,6 +96,10 @@ class EngineConfig:
             raise ValueError(f"quantization with tensor_parallel > 1 is not supported yet (nor data_parallel > 1): "
                              f"got quantization={self.quantization!r}, tensor_parallel={self.tensor_parallel}, "
                              f"data_parallel={self.data_parallel}")
+        if self.kv_cache_dtype != "auto" and (self.tensor_parallel > 1 or self.data_parallel > 1):
+            # The per-device ops' shard_map specs cover the K/V pages, not yet their scales.
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel > 1 or data_parallel > 1 "
+                             f"is not supported yet; use kv_cache_dtype='auto'")
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

@@ -14,7 +14,6 @@ import time
 from typing import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.batching import multihost
@@ -27,7 +26,7 @@ from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
 from jaxinfer.paged.block_manager import BlockManager
-from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 from jaxinfer.pallas_kernels import get_kernels
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -135,14 +134,15 @@ class LLMEngine:
         self.model_config = mc = mc.for_context(self.max_model_len)
         ps = config.page_size
         pages_per_seq = -(-self.max_model_len // ps)
-        num_pages = config.num_pages or self._default_num_pages(dtype, pages_per_seq)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
+        num_pages = config.num_pages or self._default_num_pages(kv_dtype, pages_per_seq)
         if num_pages < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages} pages of {ps} tokens) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; raise num_pages or lower max_model_len")
         if self.mesh is None:
-            cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, jnp.dtype(dtype))
+            cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, kv_dtype)
         else:
-            cache = sharding.zeros_cache(mc, self.mesh, num_pages, ps, jnp.dtype(dtype))
+            cache = sharding.zeros_cache(mc, self.mesh, num_pages, ps, kv_dtype)
         budget = config.max_num_batched_tokens
         default = default_buckets(backend, budget, config.max_num_seqs, pages_per_seq)
         buckets = Buckets(tokens=config.token_buckets or default.tokens, seqs=config.seq_buckets or default.seqs,
@@ -151,7 +151,7 @@ class LLMEngine:
             raise ValueError(f"the largest buckets {(buckets.tokens[-1], buckets.seqs[-1], buckets.pages[-1])} must "
                              f"cover max_num_batched_tokens={budget}, max_num_seqs={config.max_num_seqs} and "
                              f"max_model_len/page_size={pages_per_seq}")
-        ops = Ops(**get_kernels(config.attention_backend, mc.head_dim))
+        ops = Ops(**get_kernels(config.attention_backend, mc.head_dim, config.kv_cache_dtype != "auto"))
         if self.mesh is not None:
             ops = sharding.sharded_ops(ops, mc, self.mesh)
         self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh,
@@ -170,13 +170,14 @@ class LLMEngine:
         self.counters = dict(prompt_tokens=0, generation_tokens=0, computed_prompt_tokens=0, steps=0,
                              step_tokens=0, host_time=0.0)
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
-                 cache.k.nbytes * 2 / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
+                 sum(x.nbytes for x in jax.tree.leaves(cache)) / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
         if self.mesh is not None:
             log.info("mesh %s: %.2f GiB of weights per device", dict(self.mesh.shape),
                      max(sharding.per_device_bytes(weights).values()) / 2**30)
 
-    def _default_num_pages(self, dtype: str, pages_per_seq: int) -> int:
-        """Pages that fit every device of the replica (each holds its KV heads of every page)."""
+    def _default_num_pages(self, dtype, pages_per_seq: int) -> int:
+        """Pages of element ``dtype`` (with their scales, if quantized) that fit every device of the
+        replica (each holds its KV heads of every page)."""
         mc, tp = self.model_config, sharding.tp_size(self.mesh)
         per_page = KVCache.bytes_per_page(mc.num_layers, self.config.page_size, sharding.kv_heads(mc, tp) // tp,
                                           mc.head_dim, dtype)

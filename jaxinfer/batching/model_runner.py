@@ -394,7 +394,7 @@ class ModelRunner:
         if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
             c = self.config
             for t in sorted({t for (t, _, _), _, _ in plan}):
-                new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.k.dtype)
+                new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.write_dtype)
                 self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
                                                                           np.int32))
 
@@ -402,23 +402,23 @@ class ModelRunner:
     # once per count. Padding reads page 0 (and is cut off) and writes nowhere (dropped index).
 
     def swap_out(self, pages: list[int]):
-        """Copy pages to host memory (for swap preemption)."""
+        """Copy pages to host memory (for swap preemption): every leaf of the cache (a quantized one's
+        scales travel with its codes)."""
         n = len(pages)
-        k, v = self._gather(self.cache, _padded_pages(pages, n, 0))
-        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+        return [np.asarray(x)[:, :n] for x in self._gather(self.cache, _padded_pages(pages, n, 0))]
 
     @staticmethod
     def _gather_fn(cache: KVCache, idx):
-        return cache.k[:, idx], cache.v[:, idx]
+        return [x[:, idx] for x in jax.tree.leaves(cache)]
 
     @staticmethod
-    def _swap_in_fn(cache: KVCache, k, v, idx):
-        return KVCache(cache.k.at[:, idx].set(k, mode="drop"), cache.v.at[:, idx].set(v, mode="drop"))
+    def _swap_in_fn(cache: KVCache, saved, idx):
+        leaves, treedef = jax.tree.flatten(cache)
+        return jax.tree.unflatten(treedef, [x.at[:, idx].set(y, mode="drop") for x, y in zip(leaves, saved)])
 
     def swap_in(self, data, pages: list[int]) -> None:
-        k, v = data
-        n = k.shape[1]
+        n = data[0].shape[1]
         if n:
             idx = _padded_pages(pages, n, self.cache.num_pages)  # out of range: dropped
-            pad = [(0, 0), (0, len(idx) - n)] + [(0, 0)] * (k.ndim - 2)
-            self.cache = self._swap_in(self.cache, np.pad(k, pad), np.pad(v, pad), idx)
+            pad = [(0, 0), (0, len(idx) - n)]
+            self.cache = self._swap_in(self.cache, [np.pad(x, pad + [(0, 0)] * (x.ndim - 2)) for x in data], idx)

@@ -40,15 +40,15 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
     new_kv = None
     if ops.defer_kv_write:
         q, k, v = rope_qkv(qkv, x, positions, inv_freq, num_heads=h, num_kv_heads=kvh, eps=eps, **extras)
-        new_kv = (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
-        attn = ops.attention(q, cache.k, cache.v, layer, md, new_kv=new_kv, **attn_kw)
+        new_kv = (k.astype(cache.write_dtype), v.astype(cache.write_dtype))
+        attn = ops.attention(q, cache.k, cache.v, layer, md, new_kv=new_kv, **attn_kw, **cache.scales())
     elif md.decode_only and ops.decode_attention is not None:
         attn, cache = ops.decode_attention(qkv, x, positions, inv_freq, cache, layer, md, num_heads=h, eps=eps,
                                            **attn_kw, **extras)
     else:
         q, cache = ops.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping, num_heads=h,
                                      num_kv_heads=kvh, eps=eps, **extras)
-        attn = ops.attention(q, cache.k, cache.v, layer, md, **attn_kw)
+        attn = ops.attention(q, cache.k, cache.v, layer, md, **attn_kw, **cache.scales())
     y = linear(attn.reshape(t, h * hd), lw["wo"])
     if config.post_norms:
         y = rms_norm(y, lw["post_attn_norm"], eps)

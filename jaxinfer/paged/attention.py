@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.paged.kv_cache import BatchMetadata, segment_of
+from jaxinfer.paged.kv_cache import BatchMetadata, dequantize, quantize, segment_of
 
 # Scores are materialized for a block of queries at a time; this bounds a block's
 # (queries x context) so prefill of long prompts stays within memory.
@@ -31,7 +31,8 @@ def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Arr
 def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, md: BatchMetadata, *,
                            scale: float, soft_cap: float | None = None,
                            sliding_window: int | None = None,
-                           new_kv: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                           new_kv: tuple[jax.Array, jax.Array] | None = None,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
     """Attention of packed queries ``q [T, H, D]`` over layer ``layer`` of the paged cache.
 
     ``k_cache``/``v_cache`` are ``[layers, pages, page_size, kv_heads, D]`` and already hold this
@@ -39,6 +40,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     written after every layer has run; see ``kv_cache.write_kv_layers``): they are placed at their
     positions in the gathered context, a copy made anyway, and the cache is only read. Query ``t`` of sequence ``s`` at position ``p`` attends to positions ``<= p`` of ``s``
     (and ``> p - sliding_window`` when set). Padding tokens produce zeros.
+    A quantized cache (int8/fp8 codes) comes with its scales ``k_scale``/``v_scale``
+    ``[layers, pages, page_size, kv_heads]`` (``kv_cache.KVCache``); ``new_kv`` is then float and is
+    quantized and dequantized here exactly as its write will store it.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
@@ -49,6 +53,11 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # Each sequence's context, gathered once: [S, ctx, kv_heads, D].
     k_seq = k_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
     v_seq = v_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
+    if k_scale is not None:
+        k_seq = dequantize(k_seq, k_scale[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads))
+        v_seq = dequantize(v_seq, v_scale[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads))
+        if new_kv is not None:
+            new_kv = tuple(dequantize(*quantize(x, c.dtype)) for x, c in zip(new_kv, (k_cache, v_cache)))
     seq, pos, valid = token_layout(md, num_tokens)
     if new_kv is not None:
         at = jnp.where(valid, pos, ctx)  # padding: out of range, dropped

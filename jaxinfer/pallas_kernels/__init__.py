@@ -16,6 +16,9 @@ gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware)
 TPU kernel in Pallas interpret mode; runs on CPU, slow, for tests), ``auto`` (by
 ``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference; a model whose
 head_dim the GPU kernels cannot take, Phi-3's 96, gets the reference on a GPU).
+A quantized KV cache (int8/fp8 codes plus per-token scales, ``paged.kv_cache``) is read by the
+reference and the ``pallas_gpu`` kernels (which dequantize after each page load, so only the codes
+cross memory); the TPU kernel refuses it.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from jaxinfer.paged.attention import ragged_paged_attention as reference_attenti
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret")
 
 
-def get_kernels(backend: str = "auto", head_dim: int | None = None) -> dict[str, Callable | int]:
+def get_kernels(backend: str = "auto", head_dim: int | None = None,
+                kv_quantized: bool = False) -> dict[str, Callable | int]:
     """The operations ``backend`` (one of ``BACKENDS``) implements as kernels, for a model of
-    ``head_dim`` (None: any the kernels take)."""
+    ``head_dim`` (None: any the kernels take), over a quantized (int8/fp8) KV cache if ``kv_quantized``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     from jaxinfer.pallas_kernels import rope_kv
@@ -40,6 +44,10 @@ def get_kernels(backend: str = "auto", head_dim: int | None = None) -> dict[str,
         backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
         if backend == "pallas_gpu" and head_dim is not None and head_dim not in rope_kv.HEAD_DIMS:
             backend = "reference"
+    if kv_quantized and backend in ("pallas_tpu", "interpret"):
+        # The TPU kernel's page DMAs and its (untested on hardware) tiling are for float pages only.
+        raise ValueError(f"a quantized KV cache (kv_cache_dtype int8/fp8) is not supported by the {backend} "
+                         f"attention backend; use attention_backend='reference' or kv_cache_dtype='auto'")
     if backend == "reference":
         return {"attention": reference_attention, "defer_kv_write": True}
     if backend == "pallas_gpu":

@@ -44,6 +44,12 @@ Design, and why:
   227 KiB an H100/H200 block may take): at 256 the decode kernel runs 2 pipeline stages instead of 3,
   the prefill kernel 64 query rows in 8 warps (128 rows of float32 accumulator would spill registers),
   and in float32 key blocks of half a 64-slot page.
+- A quantized cache (int8/fp8 codes, a float32 scale per token and kv head; ``paged.kv_cache``)
+  passes each of K and V as a pair of refs (codes, scales). Only the codes and the scales of a
+  key block are loaded (the bandwidth saving is real: about half of bf16's bytes); the codes are
+  cast to the query's dtype in registers (exact: int8 and e4m3 values are bf16 values) and the
+  scales applied to the scores (K) and to the probabilities (V), one multiply per key rather than
+  per element. Kernels that write the cache quantize there (``kv_cache.quantize_rows``).
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
 powers of two (Triton block shapes).
 
@@ -63,7 +69,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, quantize_rows
 from jaxinfer.pallas_kernels import rope_kv
 from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2, query_blocks
 
@@ -93,8 +99,12 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
     one (``_fit`` cuts pages when a page of K and V would not fit shared memory: head_dim 256 in
     float32) is a strided slice; a block of several pages gathers its rows through the page table,
     so the load size per step is independent of the page size.
+    A quantized cache passes ``k_ref``/``v_ref`` as (codes, scales ``[layers, pages * page_size,
+    kv_heads]``) pairs.
     Returns (acc, m, l): unnormalized output, running max and running sum per row.
     """
+    quantized = isinstance(k_ref, tuple)
+    (k_ref, ks_ref), (v_ref, vs_ref) = (k_ref, v_ref) if quantized else ((k_ref, None), (v_ref, None))
     rows, head_dim = row_pos.shape[0], k_ref.shape[-1]
     pages_per_seq = pt_ref.shape[1]
 
@@ -109,16 +119,27 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
             hint = dict(eviction_policy="evict_first") if evict_first else {}  # K/V are read once
             k = plgpu.load(k_ref.at[layer, pl.ds(start, block_k), kv_head, :], **hint)  # [block_k, D]
             v = plgpu.load(v_ref.at[layer, pl.ds(start, block_k), kv_head, :], **hint)
+            if quantized:  # [block_k] each
+                return ((k, plgpu.load(ks_ref.at[layer, pl.ds(start, block_k), kv_head], **hint)),
+                        (v, plgpu.load(vs_ref.at[layer, pl.ds(start, block_k), kv_head], **hint)))
         else:
             t = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             slot = pt_ref[seq, jnp.minimum(t // page_size, pages_per_seq - 1)] * page_size + t % page_size
             k = k_ref[layer, slot, kv_head, :]
             v = v_ref[layer, slot, kv_head, :]
+            if quantized:
+                return (k, ks_ref[layer, slot, kv_head]), (v, vs_ref[layer, slot, kv_head])
         return k, v
 
     def update(q, i, k, v, carry, live=True):
         acc, m, l = carry
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
+        if quantized:  # dequantized in registers: codes cast for the dot, scales on scores / probabilities
+            (k, k_scale), (v, v_scale) = k, v
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        if quantized:
+            s = s * k_scale[None, :]
+        s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
@@ -131,7 +152,8 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        pv = jnp.dot((p * v_scale[None, :] if quantized else p).astype(v.dtype), v, precision=precision,
+                     preferred_element_type=jnp.float32)
         return alpha[:, None] * acc + pv, m_new, l
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
@@ -246,11 +268,14 @@ def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x
     pages supply positions ``< pos`` and split 0 adds the new token (and writes it to the cache, which
     no program of this call reads at that slot). ``refs``: the bias ``[heads, D]`` if ``has_bias``,
     the q and k norm gains ``[1, D]`` if ``has_norm``, the aliased cache inputs, the outputs as
-    ``_decode_kernel``'s, then the aliased caches."""
+    ``_decode_kernel``'s, then the aliased caches (each a (codes, scales) pair if quantized: the new
+    token is quantized, and attended to, as the reference's write stores it)."""
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
-    _k, _v, *out_refs, k_ref, v_ref = refs
+    _k, _v, *out_refs, k_refs, v_refs = refs
+    quantized = isinstance(k_refs, tuple)
+    k_ref, v_ref = (k_refs[0], v_refs[0]) if quantized else (k_refs, v_refs)
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = num_heads // num_kv_heads
     heads = num_heads + 2 * num_kv_heads
@@ -300,23 +325,32 @@ def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x
         def rotate(a, b):  # rotate-half RoPE
             return a * cos + b * sin
 
-        new.update(q=rotate(*q_raw).astype(qkv_ref.dtype), k=rotate(*k_raw).astype(k_ref.dtype),
-                   v=v_raw.astype(v_ref.dtype), row_ok=row_ok[:, 0])
+        k_rot = rotate(*k_raw)
+        if quantized:  # [1, D] codes and [1] scales
+            (k_new, k_scale), (v_new, v_scale) = [quantize_rows(a, jnp.max(jnp.abs(a), axis=1), r.dtype)
+                                                  for a, r in ((k_rot, k_ref), (v_raw, v_ref))]
+            new.update(k=k_new, v=v_new, k_scale=k_scale, v_scale=v_scale,
+                       k_deq=k_new.astype(jnp.float32) * k_scale[:, None],
+                       v_deq=v_new.astype(jnp.float32) * v_scale[:, None])
+        else:
+            new.update(k=k_rot.astype(k_ref.dtype), v=v_raw.astype(v_ref.dtype))
+            new.update(k_deq=new["k"].astype(jnp.float32), v_deq=new["v"].astype(jnp.float32))
+        new.update(q=rotate(*q_raw).astype(qkv_ref.dtype), row_ok=row_ok[:, 0])
         return new["q"]
 
     row_pos = jnp.zeros((rows,), jnp.int32) + pos
-    acc, m, l = _attend_pages(rope_q, row_pos, k_ref, v_ref, lw_refs[0][0], h, pt_ref, s, blk_lo, blk_hi,
+    acc, m, l = _attend_pages(rope_q, row_pos, k_refs, v_refs, lw_refs[0][0], h, pt_ref, s, blk_lo, blk_hi,
                               kv_lo=kv_lo, kv_hi=kv_hi, window=window, **attend_kw)
     q, k_new, v_new, row_ok = new["q"], new["k"], new["v"], new["row_ok"]
     # The new token, as one more key of split 0's online softmax.
-    s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1) * attend_kw["scale"]
+    s_new = jnp.sum(q.astype(jnp.float32) * new["k_deq"], axis=1) * attend_kw["scale"]
     if attend_kw["soft_cap"] is not None:
         s_new = attend_kw["soft_cap"] * jnp.tanh(s_new / attend_kw["soft_cap"])
     take = (split == 0) & row_ok
     m_new = jnp.where(take, jnp.maximum(m, s_new), m)
     alpha = jnp.exp(m - m_new)
     p = jnp.where(take, jnp.exp(s_new - m_new), 0.0)
-    acc = alpha[:, None] * acc + p[:, None] * v_new.astype(jnp.float32)
+    acc = alpha[:, None] * acc + p[:, None] * new["v_deq"]
     l, m = alpha * l + p, m_new
 
     slot = slot_ref[tok]
@@ -325,6 +359,9 @@ def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x
     def _():
         plgpu.store(k_ref.at[lw_refs[0][0], slot, h, :], k_new[0])
         plgpu.store(v_ref.at[lw_refs[0][0], slot, h, :], v_new[0])
+        if quantized:
+            k_refs[1][lw_refs[0][0], slot, h] = new["k_scale"][0]
+            v_refs[1][lw_refs[0][0], slot, h] = new["v_scale"][0]
 
     if len(out_refs) == 2:
         _store_rows(out_refs[1], acc, l, tok, live.astype(jnp.int32), h, group, num_heads, out_refs[1].shape[0])
@@ -438,9 +475,11 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            decode_warps: int = 4, decode_stages: int = 3, decode_evict_first: bool = False,
                            prefill_rows: int | None = None, prefill_block_k: int | None = None,
                            prefill_warps: int | None = None, prefill_stages: int = 2,
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                            interpret: bool = False) -> jax.Array:
     """Same contract as ``jaxinfer.paged.attention.ragged_paged_attention``; see the module docstring.
-    ``sliding_window``: None, an int or a traced int32 scalar.
+    ``sliding_window``: None, an int or a traced int32 scalar. ``k_scale``/``v_scale``: a quantized
+    cache's scales (``[layers, pages, page_size, kv_heads]``).
 
     Tuning knobs (defaults from scripts/bench_kernels.py on an H200): ``num_splits`` (KV splits per
     decode sequence; default: enough programs to fill the GPU), ``*_block_k`` (key positions per
@@ -477,6 +516,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # Token-addressed view of the stacked cache (a free reshape): [layers, pages * page_size, kv_heads, D].
     k_flat = k_cache.reshape(k_cache.shape[0], num_pages * page_size, num_kv_heads, head_dim)
     v_flat = v_cache.reshape(k_flat.shape)
+    if k_scale is not None:  # (codes, scales) pairs; the kernels see a tuple of refs
+        k_flat, v_flat = [(c, x.reshape(c.shape[:-1])) for c, x in ((k_flat, k_scale), (v_flat, v_scale))]
 
     # Every kernel scatters its normalized rows into one token-layout buffer, passed from kernel to
     # kernel in place (aliased); rows nobody writes (padding tokens) keep the zeros it starts with.
@@ -514,16 +555,17 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         q_len = md.query_start[1:] - md.query_start[:-1]
         blk = query_blocks(md, num_tokens, pre_rows // group, include=q_len > max_q_dec,
                            sliding_window=sliding_window, max_seqs=max_prefill_seqs)
+        args = (layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, q_rows, k_flat,
+                v_flat)
         out = pl.pallas_call(
             functools.partial(_prefill_kernel, group=group, num_heads=num_heads, rows=pre_rows, block_k=pre_bk,
                               **attend_kw),
             grid=(blk.seq.shape[0], num_kv_heads), out_shape=out_shape,
-            input_output_aliases={len(layer_arr) + 10: 0},
+            input_output_aliases={len(jax.tree.leaves(args)): 0},
             compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
             interpret=interpret,
             name="paged_prefill_gpu",
-        )(layer_arr, page_table, blk.seq, blk.tok0, blk.ntok, blk.pos0, blk.kv_lo, blk.kv_hi, q_rows, k_flat,
-          v_flat, out)
+        )(*args, out)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
@@ -554,7 +596,11 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
         md, page_size, num_kv_heads, num_splits, decode_block_k, decode_stages, sliding_window, rows=rows,
         head_dim=head_dim, itemsize=itemsize)
     flat = (nl, num_pages * page_size, num_kv_heads, head_dim)
-    cache_shapes = [jax.ShapeDtypeStruct(flat, cache.k.dtype), jax.ShapeDtypeStruct(flat, cache.v.dtype)]
+    caches = [cache.k.reshape(flat), cache.v.reshape(flat)]
+    if cache.quantized:  # (codes, scales) pairs, aliased leaf by leaf
+        caches = [(c, x.reshape(flat[:-1])) for c, x in zip(caches, (cache.k_scale, cache.v_scale))]
+    cache_shapes = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype), caches)
+    num_cache = len(jax.tree.leaves(caches))
     args = [_layer_window(layer, sliding_window), jnp.clip(md.page_table, 0, num_pages - 1), md.seq_lens,
             md.query_start, md.slot_mapping, jnp.asarray(inv_freq, jnp.float32), x.reshape(-1),
             qkv.reshape(-1, head_dim)]
@@ -567,12 +613,12 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
     out = jnp.zeros((num_rows, head_dim), qkv.dtype)
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
-        extra, aliases = (out,), {n + 2: 0, n: 1, n + 1: 2}
+        extra, aliases = (out,), {n + num_cache: 0, **{n + i: 1 + i for i in range(num_cache)}}
     else:
         part = (num_seqs, num_kv_heads, num_splits, rows)
         out_shape = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
-        extra, aliases = (), {n: 3, n + 1: 4}
+        extra, aliases = (), {n + i: 3 + i for i in range(num_cache)}
     *res, k, v = pl.pallas_call(
         functools.partial(_rope_decode_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, hidden=hidden,
                           eps=eps, rows=rows, blocks_per_split=blocks_per_split, block_k=block_k,
@@ -583,9 +629,10 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
         interpret=interpret, name="rope_paged_decode_gpu",
-    )(*args, cache.k.reshape(flat), cache.v.reshape(flat), *extra)
+    )(*args, *caches, *extra)
     if num_splits == 1:
         (out,) = res
     else:
         out = _combine(md, *res, out, group=group, num_heads=num_heads, interpret=interpret)
-    return out.reshape(num_tokens, num_heads, head_dim), KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+    return out.reshape(num_tokens, num_heads, head_dim), rope_kv.unflat_cache(cache, k, v)
+

@@ -14,7 +14,9 @@ including its optional parts: Q/K/V biases (Qwen2) and per-head RMS norms of q a
 They are static: a family without them compiles a kernel that neither loads nor computes them.
 Head counts and the hidden size need not be powers of two: rows are padded to one and masked;
 head_dim must be one (16 to 256; ``get_kernels`` gives a model whose head_dim is not, Phi-3's 96, the
-reference instead).
+reference instead). A quantized cache (int8/fp8 plus per-token-per-head scales, ``paged.kv_cache``) is
+written quantized: each k/v head's amax is taken over its two halves, then both halves are coded
+against it (``kv_cache.quantize_rows``) and the scale is stored beside them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.paged.kv_cache import KVCache, quantize_rows
 from jaxinfer.pallas_kernels._blocks import next_pow2
 
 
@@ -64,11 +66,12 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, *ref
     ``q_ref`` likewise with H heads; the cache refs row ``2 * ((layer * slots + slot) * KVH + n) + j``.
     ``x_ref`` is the residual stream, flat. ``refs``: the bias (rows like a token's qkv) if
     ``has_bias``, the q and k norm gains ``[2, D/2]`` if ``has_norm``, then the caches (aliased inputs)
-    and the outputs."""
+    and the outputs; a quantized cache's are (codes, scales) pairs, scales flat ``[rows / 2]``."""
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     _k, _v, q_ref, k_ref, v_ref = refs
+    quantized = isinstance(k_ref, tuple)
     t, g = pl.program_id(0), pl.program_id(1)
     half = qkv_ref.shape[1]
     heads = num_heads + 2 * num_kv_heads
@@ -96,6 +99,12 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, *ref
         # Masked lanes point past the end: interpret mode emulates a masked store by
         # read-modify-write, so they must not alias a written row (out of bounds, it drops them).
         lane = jax.lax.broadcasted_iota(jnp.int32, head.shape, 0)
+        if isinstance(ref, tuple):  # quantized: codes against the head's amax, the scale beside them
+            ref, scale_ref = ref
+            amax = jnp.maximum(jnp.max(jnp.abs(halves[0]), axis=1), jnp.max(jnp.abs(halves[1]), axis=1))
+            codes = [quantize_rows(x, amax, ref.dtype) for x in halves]
+            halves = [c for c, _ in codes]
+            plgpu.store(scale_ref.at[jnp.where(valid, head, scale_ref.shape[0] + lane)], codes[0][1], mask=valid)
         mask = jnp.broadcast_to(valid[:, None], (head.shape[0], half))
         for j, x in enumerate(halves):
             row = jnp.where(valid, 2 * head + j, ref.shape[0] + 2 * lane + j)
@@ -156,16 +165,29 @@ def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, 
         extras += [q_norm.reshape(2, half), k_norm.reshape(2, half)]
     args = [jnp.asarray(layer, jnp.int32).reshape(1), positions.astype(jnp.int32), slot_mapping,
             jnp.asarray(inv_freq, jnp.float32), x.reshape(-1), qkv.reshape(-1, half), *extras]
+    caches = [cache.k.reshape(flat), cache.v.reshape(flat)]
+    if cache.quantized:  # (codes, scales) pairs; a scale per half-head row pair
+        caches = [(c, x.reshape(-1)) for c, x in zip(caches, (cache.k_scale, cache.v_scale))]
+    cache_shapes = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype), caches)
+    num_cache = len(jax.tree.leaves(caches))
     q, k, v = pl.pallas_call(
         functools.partial(_rope_kv_kernel, num_heads=num_heads, num_kv_heads=num_kv_heads, num_slots=num_slots,
                           kv_per_program=kv_per_program, hidden=hidden, eps=eps, has_bias=qkv_bias is not None,
                           has_norm=q_norm is not None),
         grid=(num_tokens, num_kv_heads // kv_per_program),
-        out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads * 2, half), qkv.dtype),
-                   jax.ShapeDtypeStruct(flat, cache.k.dtype), jax.ShapeDtypeStruct(flat, cache.v.dtype)],
-        input_output_aliases={len(args): 1, len(args) + 1: 2},
+        out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads * 2, half), qkv.dtype), *cache_shapes],
+        input_output_aliases={len(args) + i: 1 + i for i in range(num_cache)},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="rope_write_kv_gpu",
-    )(*args, cache.k.reshape(flat), cache.v.reshape(flat))
-    return q.reshape(num_tokens, num_heads, head_dim), KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+    )(*args, *caches)
+    return q.reshape(num_tokens, num_heads, head_dim), unflat_cache(cache, k, v)
+
+
+def unflat_cache(cache: KVCache, k, v) -> KVCache:
+    """``cache``'s layout again from a kernel's flat cache outputs (each a (codes, scales) pair if
+    quantized)."""
+    if not cache.quantized:
+        return KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+    return KVCache(k[0].reshape(cache.k.shape), v[0].reshape(cache.v.shape), k[1].reshape(cache.k_scale.shape),
+                   v[1].reshape(cache.v_scale.shape))
