@@ -36,6 +36,9 @@ flags.DEFINE_string("chat_template", None, "A jinja chat template file replacing
                     "jaxinfer/server/templates/smollm2_tools.jinja (SmolLM2 with tools).")
 flags.DEFINE_enum("tool_call_parser", None, ["hermes", "llama3_json", "mistral"], "How tool_choice 'auto' replies "
                   "are parsed for tool calls (default: chosen from the chat template's markers).")
+flags.DEFINE_boolean("warmup_structured", False, "Also compile the steps of constrained requests (response_format, "
+                     "guided_*, tool_choice required/named) before /health answers 200; without it the first "
+                     "such request stalls the engine on that compile.")
 flags.DEFINE_float("timeout_keep_alive", 75.0, "Seconds an idle kept-alive HTTP connection stays open.")
 F = flags.FLAGS
 
@@ -70,7 +73,8 @@ def main(argv):
     if F.chat_template:
         with open(F.chat_template) as f:
             chat_template = f.read()
-    engine = AsyncEngine(F.model, config, max_waiting=F.max_waiting, on_fatal=on_fatal, distributed=distributed)
+    engine = AsyncEngine(F.model, config, max_waiting=F.max_waiting, on_fatal=on_fatal, distributed=distributed,
+                         warmup_structured=F.warmup_structured)
     fastapi_app = create_app(engine, served_model_name=F.served_model_name or F.model, api_key=F.api_key,
                              max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout,
                              chat_template=chat_template, tool_call_parser=F.tool_call_parser)

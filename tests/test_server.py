@@ -14,12 +14,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import types
 
 import httpx
 import openai
 import pytest
 
+from jaxinfer.server.protocol import APIError, ChatCompletionRequest, parse
+from jaxinfer.server.serving import OpenAIServing
 from jaxinfer.tokenizer import apply_chat_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -355,26 +359,26 @@ def check_calls(calls, names=("get_weather", "get_time")):
         jsonschema.validate(json.loads(args), schemas[name])
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_response_format(client, stream):
+def test_response_format(client):
     jsonschema = pytest.importorskip("jsonschema")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    content, calls, finish = chat(client, stream, response_format=fmt,
+    content, calls, finish = chat(client, False, response_format=fmt,
                                   messages=[{"role": "user", "content": "Describe a person as JSON."}])
     assert finish == "stop" and not calls
     jsonschema.validate(json.loads(content), PERSON)
     flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
             "additionalProperties": False}
-    content, _, finish = chat(client, stream, extra_body={"guided_json": flag})  # vLLM's field
+    content, _, finish = chat(client, True, extra_body={"guided_json": flag})  # vLLM's field, streamed
     assert finish == "stop" and json.loads(content) in ({"ok": True}, {"ok": False})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_tool_choice_required_and_named(client, stream):
+    """Required (streamed or not, then named the other way round): calls valid under their tool's schema."""
     content, calls, finish = chat(client, stream, tools=TOOLS, tool_choice="required")
     assert finish == "tool_calls" and not content
     check_calls(calls)
-    content, calls, finish = chat(client, stream, tools=TOOLS, parallel_tool_calls=False,
+    content, calls, finish = chat(client, not stream, tools=TOOLS, parallel_tool_calls=False,
                                   tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert finish == "tool_calls" and not content and len(calls) == 1
     check_calls(calls, names=("get_time",))
@@ -400,6 +404,85 @@ def test_guided_fields_on_completions(client):
     out = client.completions.create(model=MODEL, prompt="A year:", max_tokens=8,
                                     extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
     assert re.fullmatch(r"(19|20)[0-9]{2}", out.choices[0].text)
+
+
+# ------------------------------------------------------------------------ fuzzed OpenAPI description
+
+FUZZ_EXAMPLES = {"positive": 16, "negative": 12}  # per route and mode (~15 s in all)
+FUZZ_MAX_TOKENS = 4
+
+
+def _openai_error_shape(response) -> None:
+    assert response.status_code < 500, f"{response.status_code} {response.request.method} " \
+                                       f"{response.request.url}\n{response.request.body!r}\n{response.text[:2000]}"
+    if response.status_code >= 400:
+        body = response.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", list(FUZZ_EXAMPLES))
+def test_fuzz_every_route(server, mode):
+    """schemathesis draws requests from /openapi.json for every route, valid ones and (for bodies) invalid
+    ones: no 5xx, every 4xx in OpenAI's error shape. Generation is not what is fuzzed, so long requests
+    are cut to a few tokens."""
+    schemathesis = pytest.importorskip("schemathesis")
+    hypothesis = pytest.importorskip("hypothesis")
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                              "/metrics"}
+    statuses = []
+    for op in operations:
+        if mode == "negative" and op.method.upper() == "GET":
+            continue  # nothing to get wrong: the GET routes take no parameters
+
+        @hypothesis.settings(max_examples=FUZZ_EXAMPLES[mode], deadline=None, database=None, derandomize=True,
+                             phases=[hypothesis.Phase.generate], suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(case=op.as_strategy(schemathesis.GenerationMode(mode)))
+        def fuzz(case):
+            if isinstance(case.body, dict):
+                case.body.pop("model", None)  # any other name than the served one is refused
+                for key in ("max_tokens", "max_completion_tokens"):
+                    value = case.body.get(key, FUZZ_MAX_TOKENS)
+                    if type(value) is int and value >= FUZZ_MAX_TOKENS:
+                        case.body[key] = FUZZ_MAX_TOKENS
+            response = case.call(base_url=server.url, timeout=60)
+            _openai_error_shape(response)
+            statuses.append((op.path, response.status_code, response.text[:150]))
+
+        fuzz()
+    assert {s // 100 for _, s, _ in statuses} >= {4}
+    if mode == "positive":  # some schema-valid requests get generated text, not merely a refusal
+        assert {p for p, s, _ in statuses if s == 200} & {"/v1/completions", "/v1/chat/completions"}, \
+            "\n".join(map(str, statuses))
+
+
+def test_unknown_routes_methods_and_docs(server):
+    for method, path in (("GET", "/v2/nothing"), ("DELETE", "/v1/models"), ("GET", "/v1/completions")):
+        r = httpx.request(method, f"{server.url}{path}")
+        assert r.status_code in (404, 405)
+        _openai_error_shape(r)
+    assert "swagger" in httpx.get(f"{server.url}/docs").text.lower()
+
+
+def test_healthy_and_idle_after_fuzzing(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    wait_until_idle(server.url)
+    out = client.completions.create(model=MODEL, prompt="A year:", max_tokens=8,
+                                    extra_body={"guided_regex": "(19|20)[0-9]{2}"})
+    assert re.fullmatch(r"(19|20)[0-9]{2}", out.choices[0].text)
+
+
+def test_template_without_tools_is_a_400(smollm2_tokenizer):
+    """SmolLM2's own template ignores tools, so the model would never see them: a 400, not a silent drop."""
+    engine = types.SimpleNamespace(tokenizer=smollm2_tokenizer, ready=threading.Event(), max_model_len=512)
+    engine.ready.set()
+    serving = OpenAIServing(engine, MODEL)
+    req = parse(ChatCompletionRequest, json.dumps({"messages": CHAT, "tools": [WEATHER]}).encode())
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.chat(req, None))
+    assert e.value.status == 400 and e.value.param == "tools" and "template" in e.value.message
 
 
 # ------------------------------------------------------------------------------------ tiny server
