@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+/openapi.json and /docs.
 
     python scripts/serve.py                               # smollm2-135m on 127.0.0.1:8000
     python scripts/serve.py --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
