@@ -393,8 +393,9 @@ def test_tool_choice_auto_parses_the_models_format(client, stream):
     content, calls, finish = chat(client, stream, tools=TOOLS, extra_body={"guided_regex": "One moment\\." + call})
     assert (content, finish) == ("One moment.", "tool_calls")
     check_calls(calls, names=("get_time",))
-    content, calls, finish = chat(client, stream, tools=TOOLS, extra_body={"guided_regex": "Sunny <b>today</b>"})
-    assert (content, calls, finish) == ("Sunny <b>today</b>", [], "stop")
+    if stream:  # no call: all content, "<b" held back until it cannot be "<tool_call>", then sent
+        content, calls, finish = chat(client, stream, tools=TOOLS, extra_body={"guided_regex": "Sunny <b>today</b>"})
+        assert (content, calls, finish) == ("Sunny <b>today</b>", [], "stop")
 
 
 def test_guided_fields_on_completions(client):
