@@ -58,14 +58,17 @@ def _gguf_tokenizer_cache(path: str) -> str:
     return user_cache_dir("tokenizers", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
 
 
-def apply_chat_template(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of ``messages`` rendered with the model's chat template, ending in the assistant header."""
+def apply_chat_template(tokenizer, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                        chat_template: str | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template (or ``chat_template``), ending in
+    the assistant header; ``tools`` (OpenAI tool objects) are passed to the template, which lists them."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model has none (a preset without files)")
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {type(tokenizer).__name__} ({tokenizer.name_or_path!r}) has no chat "
                          "template; pass plain prompts instead of messages")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                         chat_template=chat_template, add_generation_prompt=True, tokenize=False)
     # The template already spells out BOS and role markers; adding special tokens would double BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

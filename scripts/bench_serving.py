@@ -58,6 +58,9 @@ flags.DEFINE_integer("client_processes", 1, "Client processes sharing the reques
 flags.DEFINE_boolean("ignore_eos", True, "Generate exactly --max_tokens tokens per request.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
 flags.DEFINE_integer("seed", 0, "Seed for prompts and arrival times.")
+flags.DEFINE_string("response_format", None, "Constrain every request's output: 'json_object', or a JSON schema "
+                    "file (chat sends response_format, completions vLLM's structured_outputs; offline: "
+                    "SamplingParams.structured). A constrained request stops when its JSON is complete.")
 flags.DEFINE_string("api_key", None, "Bearer token, if the server wants one.")
 flags.DEFINE_string("name", "serving", "Name of this run in the JSON file.")
 flags.DEFINE_string("out", None, "JSON file to write the results to, under --name (other runs in it are kept).")
@@ -95,6 +98,7 @@ class Load:
     max_concurrency: int
     api_key: str | None
     seed: int
+    constraint: dict | None = None  # --response_format: fields added to every request body
 
 
 def make_prompts(n: int, rng: np.random.Generator) -> list:
@@ -110,6 +114,7 @@ async def one_request(http: httpx.AsyncClient, load: Load, prompt) -> Result:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
         path, body["prompt"] = "/v1/completions", prompt
+    body.update(load.constraint or {})
     t0 = time.perf_counter()
     res, last = Result(ok=False), None
     try:
@@ -143,6 +148,25 @@ async def one_request(http: httpx.AsyncClient, load: Load, prompt) -> Result:
     if not res.ok:
         res.error = "the stream ended without a usage chunk"
     return res
+
+
+def constraint_schema() -> dict | None:
+    """--response_format as a JSON schema ({} for json_object), or None."""
+    if F.response_format in (None, "json_object"):
+        return None if F.response_format is None else {}
+    with open(F.response_format) as f:
+        return json.load(f)
+
+
+def request_constraint(endpoint: str) -> dict | None:
+    """The body fields that carry --response_format to the server."""
+    schema = constraint_schema()
+    if schema is None:
+        return None
+    if endpoint == "chat":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+                if schema else {"type": "json_object"}}
+    return {"structured_outputs": {"json": schema} if schema else {"json_object": True}}
 
 
 def _content(choice: dict) -> str:
@@ -231,7 +255,8 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
         cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--port={port}",
-               f"--max_waiting={max_waiting}", *engine_flags.command_line()]
+               f"--max_waiting={max_waiting}", *engine_flags.command_line(),
+               *(["--warmup_structured"] if F.response_format else [])]
         print("launching:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + F.launch_timeout
@@ -269,12 +294,16 @@ def run_offline(prompts: list, concurrency: int) -> dict:
     clients keep the server), with per-request TTFT/TPOT from step timestamps. Compiles first."""
     import jax
 
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams, StructuredOutputs
 
     llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
-    warmup = llm.warmup()
+    schema = constraint_schema()
+    structured = None if schema is None else StructuredOutputs(json=schema) if schema else \
+        StructuredOutputs(json_object=True)
+    warmup = llm.warmup(structured=structured is not None)
     engine = llm.engine
-    params = SamplingParams(max_tokens=F.max_tokens, temperature=F.temperature, ignore_eos=F.ignore_eos)
+    params = SamplingParams(max_tokens=F.max_tokens, temperature=F.temperature, ignore_eos=F.ignore_eos,
+                            structured=structured)
     pending = list(enumerate(prompts))[::-1]
     live: dict[str, list] = {}  # request id -> [arrival, first token]
     ttft, tpot, e2e, out_tokens = [], [], [], 0
@@ -330,7 +359,7 @@ def main(argv):
         model = httpx.get(f"{base_url}/v1/models", timeout=30,
                           headers={"Authorization": f"Bearer {F.api_key}"} if F.api_key else {}).json()["data"][0]["id"]
         load = Load(base_url, model, F.endpoint, F.max_tokens, F.temperature, F.ignore_eos, F.request_rate,
-                    concurrency, F.api_key, F.seed)
+                    concurrency, F.api_key, F.seed, request_constraint(F.endpoint))
         results, duration = run_clients(load, prompts)
     finally:
         if server:
@@ -338,7 +367,8 @@ def main(argv):
     summary = summarize(results, duration)
     summary["config"] = {k: F[k].value for k in ("endpoint", "num_prompts", "input_len", "max_tokens",
                                                  "request_rate", "max_concurrency", "client_processes",
-                                                 "ignore_eos", "temperature", *engine_flags.NAMES)}
+                                                 "ignore_eos", "temperature", "response_format",
+                                                 *engine_flags.NAMES)}
     summary["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
     summary["server_output_tok_s"] = summary["output_token_throughput"]
     print(f"completed {summary['completed']}/{len(results)} in {duration:.1f}s: "

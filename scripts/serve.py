@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+/openapi.json and /docs.
 
     python scripts/serve.py                               # smollm2-135m on 127.0.0.1:8000
     python scripts/serve.py --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
@@ -32,6 +33,13 @@ flags.DEFINE_string("api_key", None, "If set, /v1 requests need 'Authorization: 
 flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request body accepted (else 413).")
 flags.DEFINE_float("shutdown_timeout", 30.0, "On SIGTERM, seconds running requests may take to finish before "
                    "they are aborted.")
+flags.DEFINE_string("chat_template", None, "A jinja chat template file replacing the model's, e.g. "
+                    "jaxinfer/server/templates/smollm2_tools.jinja (SmolLM2 with tools).")
+flags.DEFINE_enum("tool_call_parser", None, ["hermes", "llama3_json", "mistral"], "How tool_choice 'auto' replies "
+                  "are parsed for tool calls (default: chosen from the chat template's markers).")
+flags.DEFINE_boolean("warmup_structured", False, "Also compile the steps of constrained requests (response_format, "
+                     "guided_*, tool_choice required/named) before /health answers 200; without it the first "
+                     "such request stalls the engine on that compile.")
 flags.DEFINE_float("timeout_keep_alive", 75.0, "Seconds an idle kept-alive HTTP connection stays open.")
 F = flags.FLAGS
 
@@ -62,9 +70,15 @@ def main(argv):
         failed.append(error)
         server.should_exit = True
 
-    engine = AsyncEngine(F.model, config, max_waiting=F.max_waiting, on_fatal=on_fatal, distributed=distributed)
+    chat_template = None
+    if F.chat_template:
+        with open(F.chat_template) as f:
+            chat_template = f.read()
+    engine = AsyncEngine(F.model, config, max_waiting=F.max_waiting, on_fatal=on_fatal, distributed=distributed,
+                         warmup_structured=F.warmup_structured)
     fastapi_app = create_app(engine, served_model_name=F.served_model_name or F.model, api_key=F.api_key,
-                             max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout)
+                             max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout,
+                             chat_template=chat_template, tool_call_parser=F.tool_call_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -111,8 +111,9 @@ class AsyncEngine:
 
     def __init__(self, model: str, config: EngineConfig, *, max_waiting: int,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 distributed: tuple[str, int, int] | None = None):
+                 distributed: tuple[str, int, int] | None = None, warmup_structured: bool = False):
         self._model, self._config, self._distributed = model, config, distributed
+        self._warmup_structured = warmup_structured  # also compile constrained steps before /health is 200
         self._on_fatal = on_fatal
         self.max_waiting = max_waiting
         self.metrics = Metrics(lambda: self._stats)
@@ -139,7 +140,8 @@ class AsyncEngine:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX/CUDA state
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=engine_core.run, args=(self._model, self._config, cmd_recv, out_send, self._distributed),
+        self._process = ctx.Process(target=engine_core.run, args=(self._model, self._config, cmd_recv, out_send, self._distributed,
+                                                                      self._warmup_structured),
                                     name="engine-core", daemon=True)
         self._process.start()
         cmd_recv.close()

@@ -54,10 +54,11 @@ class Delta(NamedTuple):
 
 
 def run(model: str, config: EngineConfig, commands: Connection, outputs: Connection,
-        distributed: tuple[str, int, int] | None = None) -> None:
+        distributed: tuple[str, int, int] | None = None, warmup_structured: bool = False) -> None:
     """Process entry point: build and warm the engine, then serve commands until told to stop or
     until the front end goes away (its pipe end closes). ``distributed``: (coordinator address,
-    processes, this process's id) when this core is process 0 of a multi-process run."""
+    processes, this process's id) when this core is process 0 of a multi-process run. ``warmup_structured``:
+    also compile the steps constrained requests run as, so the first one does not stall the engine."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end owns shutdown (SIGTERM drain)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
@@ -66,7 +67,7 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
         if distributed is not None:
             multihost.initialize(*distributed)
         engine = create_engine(model, config)
-        warmup = engine.warmup()
+        warmup = engine.warmup(structured=warmup_structured)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which exits
         outputs.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return

@@ -19,9 +19,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.batching.engine import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
-from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_text, check_supported,
-                                      sampling_params)
+from jaxinfer.server.constraints import ToolPlan, request_constraint, tool_plan
+from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, chat_text,
+                                      check_supported, sampling_params)
 from jaxinfer.tokenizer import apply_chat_template
 
 
@@ -35,9 +37,14 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, *, chat_template: str | None = None,
+                 tool_call_parser: str | None = None):
+        """``chat_template`` replaces the tokenizer's (e.g. one that renders tools); ``tool_call_parser``
+        names the parser of ``tool_choice: "auto"`` replies (default: chosen from the template)."""
         self.engine = engine
         self.model_name = model_name
+        self.chat_template = chat_template
+        self.tool_parser = tool_parsers.get_parser(tool_call_parser) if tool_call_parser else None
 
     # ------------------------------------------------------------------------------- endpoints
 
@@ -47,8 +54,9 @@ class OpenAIServing:
         if not raw:
             raise APIError(400, "prompt must not be empty", param="prompt")
         prompts = [self._encode(p, "prompt") for p in raw]
+        structured = request_constraint(req, self.engine.tokenizer)
         job = self._job(req, prompts, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set,
-                        logprobs=req.logprobs)
+                        logprobs=req.logprobs, structured=structured)
         render = _CompletionRenderer(self, req)
         return await self._respond(req, job, "cmpl", render, request)
 
@@ -60,25 +68,35 @@ class OpenAIServing:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions with "
                                 "token ids", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": chat_text(m)}
-                    for m in req.messages]
-        if not any(m["content"] for m in messages):
+        messages = [_message(m) for m in req.messages]
+        if not any(m["content"] or m.get("tool_calls") for m in messages):
             raise APIError(400, "messages must contain some text", param="messages")
-        try:
-            ids = apply_chat_template(tokenizer, messages)
-        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are the caller's
-            raise APIError(400, f"messages could not be rendered with the chat template: {e}",
-                           param="messages") from None
+        plan = tool_plan(req)
+        ids = self._render(messages, plan.tools)
+        if plan.tools and ids == self._render(messages, None):
+            raise APIError(400, "this model's chat template does not render tools, so the model would never see "
+                                "them; serve it with --chat_template naming a template that does", param="tools",
+                           code="tools_unsupported")
+        structured = request_constraint(req, tokenizer, plan)
         prompt = self._encode(ids, "messages")
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job(req, [prompt], max_tokens, name, explicit=True, logprobs=logprobs,
-                        logprobs_param="top_logprobs")
-        render = _ChatRenderer(self, req)
+                        logprobs_param="top_logprobs", structured=structured)
+        parser = self.tool_parser or tool_parsers.parser_for_template(self.chat_template or
+                                                                      str(tokenizer.chat_template or ""))
+        render = _ChatRenderer(self, req, plan, parser)
         return await self._respond(req, job, "chatcmpl", render, request)
 
     # ------------------------------------------------------------------------------ validation
+
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        try:
+            return apply_chat_template(self.engine.tokenizer, messages, tools=tools, chat_template=self.chat_template)
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are the caller's
+            raise APIError(400, f"messages could not be rendered with the chat template: {e}",
+                           param="messages") from None
 
     def _check_common(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -97,7 +115,7 @@ class OpenAIServing:
                            code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
 
     def _job(self, req, prompts: list[list[int]], max_tokens: int | None, max_tokens_param: str, *,
-             explicit: bool, logprobs: int | None, logprobs_param: str = "logprobs") -> _Job:
+             explicit: bool, logprobs: int | None, logprobs_param: str = "logprobs", structured=None) -> _Job:
         """Without max_tokens a request may use the rest of the context; a default (not an explicit
         value) is clipped to it, while an explicit value that does not fit is an error."""
         limit = self.engine.max_model_len
@@ -105,7 +123,7 @@ class OpenAIServing:
         for ids in prompts:
             room = limit - len(ids)
             want = room if max_tokens is None else max_tokens if explicit else min(max_tokens, room)
-            base = sampling_params(req, want, logprobs,
+            base = sampling_params(req, want, logprobs, structured=structured,
                                    renames={"logprobs": logprobs_param, "max_tokens": max_tokens_param})
             if len(ids) + want > limit:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
@@ -220,6 +238,27 @@ def _usage(job: _Job, finals) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _message(m: ChatMessage) -> dict:
+    """A message as chat templates take it; tool-call arguments as objects, which templates expect."""
+    d = {"role": "system" if m.role == "developer" else m.role, "content": chat_text(m)}
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                           for c in m.tool_calls]
+    return d
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def _is_ids(prompt) -> bool:
     return all(isinstance(t, int) for t in prompt)  # [] too: one empty prompt, rejected by encode
 
@@ -264,19 +303,71 @@ class _CompletionRenderer(_Renderer):
 
 
 class _ChatRenderer(_Renderer):
+    """Chat choices and deltas. With tools in play the reply may be tool calls: a forced call (tool_choice
+    required or named) is JSON throughout and is sent as ``tool_calls`` once complete; under ``auto``
+    text before the parser's marker streams as content and the calls after it are sent when the choice
+    finishes (one delta per call, arguments whole)."""
+
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, serving, req, plan: ToolPlan, parser: tool_parsers.ToolParser):
+        super().__init__(serving, req)
+        self.plan, self.parser = plan, parser
+        self._text: dict[int, str] = {}
+        self._sent: dict[int, int] = {}  # characters of _text sent as content
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict], int]:
+        """(content, calls, where the calls begin in text); no calls -> (text, [], len(text))."""
+        mode = self.plan.mode
+        if mode == "auto":
+            content, calls = self.parser.extract(text)
+            return content, calls, (self.parser.tool_start(text) if calls else len(text))
+        if mode in ("named", "required"):
+            try:
+                obj = json.loads(text)
+                objs = ([{"name": self.plan.named, "arguments": obj}] if mode == "named"
+                        else obj if isinstance(obj, list) else [obj])
+                return None, [tool_parsers.to_call(o) for o in objs], 0
+            except (ValueError, TypeError):  # cut short by max_tokens or a stop string
+                pass
+        return text, [], len(text)
+
+    @staticmethod
+    def _tool_calls(calls: list[dict], indexed: bool = False) -> list[dict]:
+        return [{**({"index": k} if indexed else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": call} for k, call in enumerate(calls)]
+
     def choice(self, i: int, out: RequestOutput) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
+        content, calls, _ = self._calls(out.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = self._tool_calls(calls)
+        return {"index": i, "message": message, "logprobs": self._logprobs(out.token_ids, out.logprobs),
+                "finish_reason": "tool_calls" if calls else out.finish_reason}
 
     def first_chunk(self, i: int) -> dict:
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def delta(self, i: int, out: RequestOutput) -> dict:
         lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
-        return {"index": i, "delta": {"content": out.delta_text} if out.delta_text else {},
-                "logprobs": self._logprobs(out.delta_token_ids, lps), "finish_reason": out.finish_reason}
+        logprobs = self._logprobs(out.delta_token_ids, lps)
+        if self.plan.mode == "none":
+            return {"index": i, "delta": {"content": out.delta_text} if out.delta_text else {},
+                    "logprobs": logprobs, "finish_reason": out.finish_reason}
+        text = self._text[i] = self._text.get(i, "") + out.delta_text
+        sent = self._sent.get(i, 0)
+        if not out.finished:
+            upto = self.parser.streamable(text) if self.plan.mode == "auto" else 0
+            self._sent[i] = max(sent, upto)
+            return {"index": i, "delta": {"content": text[sent:upto]} if upto > sent else {},
+                    "logprobs": logprobs, "finish_reason": None}
+        _, calls, start = self._calls(text)
+        rest = text[sent:start].rstrip() if calls else text[sent:]
+        delta = {"content": rest} if rest else {}
+        if calls:
+            delta["tool_calls"] = self._tool_calls(calls, indexed=True)
+        return {"index": i, "delta": delta, "logprobs": logprobs,
+                "finish_reason": "tool_calls" if calls else out.finish_reason}
 
     def _entry(self, token: int, logprob: float) -> dict:
         s = self._decode(token)
