@@ -48,6 +48,11 @@ class EngineConfig:
       ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
       must be the device count (checked against the model when the engine is built). Not yet with
       an explicit ``quantization`` (``"auto"`` then means full precision).
+    - ``speculative_method``: ``None`` (off) or ``"ngram"`` (prompt lookup, ``batching.speculative``):
+      up to ``num_speculative_tokens`` (1..16) proposed tokens per sequence are verified in one step,
+      matched against the last ``ngram_min..ngram_max`` tokens. Outputs are those without speculation
+      (greedy: token-identical; sampling: the same distribution). Speculation is off for a step when
+      more than ``speculative_max_num_seqs`` sequences run (where the step stops being memory-bound).
     """
 
     page_size: int = 16
@@ -75,6 +80,11 @@ class EngineConfig:
     max_logprobs: int = 20
     tensor_parallel: int = 1
     data_parallel: int = 1
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_max_num_seqs: int = 16
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
@@ -88,6 +98,7 @@ class EngineConfig:
             raise ValueError(f"quantization with tensor_parallel > 1 is not supported yet (nor data_parallel > 1): "
                              f"got quantization={self.quantization!r}, tensor_parallel={self.tensor_parallel}, "
                              f"data_parallel={self.data_parallel}")
+        _check_speculative(self)
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -121,3 +132,17 @@ def default_compilation_cache_dir() -> str:
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_speculative(c: EngineConfig) -> None:
+    from jaxinfer.batching.speculative import MAX_SPECULATIVE_TOKENS, METHODS
+
+    if c.speculative_method is not None and c.speculative_method not in METHODS:
+        raise ValueError(f"speculative_method must be None or one of {METHODS}, got {c.speculative_method!r}")
+    for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs"):
+        _positive(name, getattr(c, name))
+    if c.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {c.num_speculative_tokens}")
+    if c.ngram_min > c.ngram_max:
+        raise ValueError(f"ngram_min ({c.ngram_min}) must be <= ngram_max ({c.ngram_max})")
