@@ -95,11 +95,12 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting or preempted sequence its pages; False if they don't fit."""
         if seq.swapped is not None:
-            need = self.blocks.pages_needed(seq.num_computed_tokens + 1)
+            # Room for every known token: one preempted mid-prefill resumes with a whole chunk.
+            need = self.blocks.pages_needed(seq.num_tokens)
             if need > self.blocks.num_free:
                 return False
             seq.page_table = []
-            self.blocks.grow(seq.page_table, seq.num_computed_tokens + 1)
+            self.blocks.grow(seq.page_table, seq.num_tokens)
             self.swap_in(seq.swapped, seq.page_table)
             seq.swapped = None
             return True
