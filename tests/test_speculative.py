@@ -18,6 +18,7 @@ from scipy import stats as scistats
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.speculative import NgramProposer
+from jaxinfer.server.metrics import Metrics
 from jaxinfer.sampling import SamplingBatch, _filtered, verify
 from test_batching import BASE, assert_no_leak, drive, greedy, make_prompts, run_alone
 
@@ -88,6 +89,21 @@ def test_greedy_identical_to_no_speculation(k, path, proposer):
     assert_no_leak(llm.engine)
 
 
+@pytest.mark.parametrize("draft,agrees", [("tiny-llama3", True), ("tiny-gemma2", False)])
+def test_draft_model_greedy_identical(draft, agrees):
+    """The target itself as draft always agrees; a different random model (same vocabulary) rarely does."""
+    prompts = make_prompts(17, 4, high=50)
+    want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
+    llm = LLM(MODEL, **{**BASE, **PATHS["preempt-recompute"]}, speculative_method="draft", speculative_model=draft,
+              num_speculative_tokens=3)
+    got = run_batch(llm, prompts, [greedy()] * 4, arrivals=[0, 0, 2, 5])
+    assert {i: o.token_ids for i, o in got.items()} == want
+    rate = llm.engine.stats()["spec_acceptance_rate"]
+    assert rate == 1.0 if agrees else rate < 0.2
+    assert_no_leak(llm.engine)
+    assert_no_leak(llm.engine.proposer.engine)
+
+
 def test_prefix_caching_with_speculation():
     shared = make_prompts(3, 1, low=40, high=41)[0]
     prompts = [shared + p for p in make_prompts(4, 4, high=30)]
@@ -124,7 +140,11 @@ def test_stops_and_max_tokens_inside_a_proposal():
     for a, b in zip(got[2].logprobs, plain.logprobs):
         assert a.keys() == b.keys()
         np.testing.assert_allclose([a[t] for t in b], [b[t] for t in b], atol=1e-4)
-    assert llm.engine.stats()["spec_mean_accepted_length"] > 2
+    s = llm.engine.stats()
+    assert s["spec_mean_accepted_length"] > 2
+    metrics = Metrics(lambda: s).render().decode()
+    assert f"jaxinfer_spec_accepted_tokens_total {float(s['spec_accepted_tokens'])}" in metrics
+    assert "jaxinfer_spec_acceptance_rate" in metrics
     assert_no_leak(llm.engine)
 
 
@@ -209,10 +229,17 @@ def test_greedy_verify_accepts_the_matching_prefix():
     (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(speculative_method="ngram", num_speculative_tokens=17), r"num_speculative_tokens must be in \[1, 16\]"),
     (dict(speculative_method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
+    (dict(speculative_method="draft"), "speculative_model must be given"),
+    (dict(speculative_method="ngram", speculative_model="tiny-llama3"), "speculative_model must be given"),
 ])
 def test_bad_speculative_options(options, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**options)
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="vocabulary of 384 tokens but the target's has 512"):
+        LLM(MODEL, **BASE, speculative_method="draft", speculative_model="tiny-llama-tied")
 
 
 def test_ngram_lookup():

@@ -48,7 +48,9 @@ class EngineConfig:
       ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
       must be the device count (checked against the model when the engine is built). Not yet with
       an explicit ``quantization`` (``"auto"`` then means full precision).
-    - ``speculative_method``: ``None`` (off) or ``"ngram"`` (prompt lookup, ``batching.speculative``):
+    - ``speculative_method``: ``None`` (off), ``"ngram"`` (prompt lookup, ``batching.speculative``) or
+      ``"draft"`` (greedy proposals of ``speculative_model``, a model with the target's tokenizer, run in
+      its own engine with this config's sizes, dtype, load format and seed):
       up to ``num_speculative_tokens`` (1..16) proposed tokens per sequence are verified in one step,
       matched against the last ``ngram_min..ngram_max`` tokens. Outputs are those without speculation
       (greedy: token-identical; sampling: the same distribution). Speculation is off for a step when
@@ -81,6 +83,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     data_parallel: int = 1
     speculative_method: str | None = None
+    speculative_model: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
@@ -144,5 +147,8 @@ def _check_speculative(c: EngineConfig) -> None:
     if c.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                          f"got {c.num_speculative_tokens}")
+    if (c.speculative_method == "draft") != (c.speculative_model is not None):
+        raise ValueError("speculative_model must be given with speculative_method='draft', and only then; got "
+                         f"speculative_method={c.speculative_method!r}, speculative_model={c.speculative_model!r}")
     if c.ngram_min > c.ngram_max:
         raise ValueError(f"ngram_min ({c.ngram_min}) must be <= ngram_max ({c.ngram_max})")

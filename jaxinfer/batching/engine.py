@@ -22,7 +22,7 @@ from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
-from jaxinfer.batching.speculative import NgramProposer, Proposer
+from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
@@ -145,6 +145,10 @@ class LLMEngine:
             cache = sharding.zeros_cache(mc, self.mesh, num_pages, ps, jnp.dtype(dtype))
         budget = config.max_num_batched_tokens
         default = default_buckets(backend, budget, config.max_num_seqs, pages_per_seq)
+        if config.speculative_method is not None and config.num_speculative_tokens < budget:
+            # a batch-1 verify step (last token + k proposals) in its own bucket, not padded to the next
+            default = dataclasses.replace(default, tokens=tuple(sorted({*default.tokens,
+                                                                        config.num_speculative_tokens + 1})))
         buckets = Buckets(tokens=config.token_buckets or default.tokens, seqs=config.seq_buckets or default.seqs,
                           pages=config.page_buckets or default.pages)
         if buckets.tokens[-1] < budget or buckets.seqs[-1] < config.max_num_seqs or buckets.pages[-1] < pages_per_seq:
@@ -173,7 +177,16 @@ class LLMEngine:
         if config.speculative_method is not None:
             if multihost.active():
                 raise ValueError("speculative_method is not supported over several processes yet")
-            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+            if config.speculative_method == "ngram":
+                self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+            else:
+                draft = LLMEngine(config.speculative_model, dataclasses.replace(
+                    config, speculative_method=None, speculative_model=None, max_model_len=self.max_model_len,
+                    num_pages=config.num_pages or pages_per_seq * min(config.max_num_seqs, 64), token_buckets=None,
+                    page_buckets=None, quantization="auto", tensor_parallel=1, data_parallel=1,
+                    enable_prefix_caching=True))
+                check_draft(self, draft)
+                self.proposer = DraftProposer(draft)
         self._speculating = self.proposer is not None
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
                  cache.k.nbytes * 2 / 2**30, buckets.tokens, buckets.seqs, buckets.pages)

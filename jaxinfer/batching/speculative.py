@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import itertools
+
 import numpy as np
 
 from jaxinfer.batching.sequence import Sequence
+from jaxinfer.sampling_params import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # a verify step feeds 1 + k tokens per sequence and keeps k + 1 logits rows
 
 
@@ -48,3 +51,42 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return ids[start:start + k].tolist()
         return []
+
+
+class DraftProposer:
+    """A smaller model with the target's vocabulary proposes its greedy continuation. It runs in its own
+    engine (weights, paged KV cache, compiled steps), where each step's proposals for the whole batch
+    are short greedy requests run together. A request's prompt is the sequence's tokens so far: prefix
+    caching finds all but the tail past the last full page, and since the draft engine publishes only
+    pages of tokens it was given, nothing of a rejected proposal is ever reused.
+
+    With a sampling target, the proposal is a point mass (the draft's argmax), which keeps
+    ``sampling.verify``'s rejection sampling exact."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._ids = itertools.count()
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        eng = self.engine
+        rids = []
+        for s, k in zip(seqs, limits):
+            rids.append(f"draft-{next(self._ids)}")
+            eng.add_request(rids[-1], s.token_ids, SamplingParams(max_tokens=max(1, k), temperature=0.0,
+                                                                  ignore_eos=True))
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = o.token_ids
+        return [out[r][:k] for r, k in zip(rids, limits)]
+
+
+def check_draft(target, draft) -> None:
+    """A draft model must share the target's vocabulary (ids and, where both have one, the tokenizer)."""
+    if draft.model_config.vocab_size != target.model_config.vocab_size:
+        raise ValueError(f"speculative_model has a vocabulary of {draft.model_config.vocab_size} tokens but the "
+                         f"target's has {target.model_config.vocab_size}: they must share a tokenizer")
+    if (target.tokenizer is None) != (draft.tokenizer is None) or (
+            target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()):
+        raise ValueError("speculative_model's tokenizer differs from the target's: they must share a tokenizer")
