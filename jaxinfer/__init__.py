@@ -2,6 +2,6 @@
 
 from jaxinfer.batching.engine import LLMEngine, RequestOutput
 from jaxinfer.llm import LLM, generate
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "generate"]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputs", "generate"]

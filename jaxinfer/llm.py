@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import RequestOutput
 from jaxinfer.batching.replicas import create_engine
-from jaxinfer.sampling_params import SamplingParams, as_list
+from jaxinfer.batching.structured import compile_constraint
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list
 from jaxinfer.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
@@ -28,9 +29,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
-        """Compile every step shape ahead of time; returns the seconds it took."""
-        return self.engine.warmup(shapes, greedy_only)
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+        """Compile every step shape ahead of time (``structured``: also those of steps with
+        constrained requests); returns the seconds it took."""
+        return self.engine.warmup(shapes, greedy_only, structured)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -42,6 +44,10 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"priority must be one int or a list of {len(prompts)}")
         encoded = [self.engine.encode(p) for p in prompts]  # validate all before queueing any
+        mc = self.engine.model_config
+        for sp in params:
+            if sp.structured is not None:  # compiled once here, then found in the cache by add_request
+                compile_constraint(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, p, sp, prio in zip(ids, encoded, params, priorities):
             self.engine.add_request(rid, p, sp, prio)
@@ -93,11 +99,12 @@ def _cached_llm(model: str, options: tuple) -> LLM:
 def generate(prompts: Prompt | Sequence[Prompt], model: str = "smollm2-135m", *, max_tokens: int = 64,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-             ignore_eos: bool = False, logprobs: int | None = None, **engine_options) -> list[RequestOutput]:
+             ignore_eos: bool = False, logprobs: int | None = None, structured: StructuredOutputs | None = None,
+             **engine_options) -> list[RequestOutput]:
     """One call from a notebook: the engine for ``(model, engine_options)`` is built once and reused."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                            logprobs=logprobs)
+                            logprobs=logprobs, structured=structured)
     EngineConfig.from_options(**engine_options)  # reject bad options before building anything
     key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in engine_options.items()))
     return _cached_llm(model, key).generate(prompts, params)

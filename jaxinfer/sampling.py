@@ -96,8 +96,16 @@ def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear in ``bitmask [S, ceil(V/32)]`` (int32; bit ``t % 32`` of word
+    ``t // 32`` is token t) get -inf: what structured outputs allow (``batching.structured``)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, num_logprobs: int | None = None,
-           penalties: bool = False) -> SampleResult:
+           penalties: bool = False, bitmask: jax.Array | None = None) -> SampleResult:
     """Sample one token per row of float32 ``logits [S, V]``.
 
     The flags are static (the host knows them from the requests), so a step compiles without work it
@@ -106,10 +114,12 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, nu
     of the whole step. ``num_logprobs=None`` skips logprobs altogether (the log-softmax is a few
     reduction kernels over the vocabulary, ~1% of an 8B batch-1 step on an H200); otherwise the
     sampled token's logprob and the top ``num_logprobs`` are returned, those of the model's raw
-    distribution (as in vLLM/OpenAI).
+    distribution (as in vLLM/OpenAI). ``bitmask`` (structured outputs) masks the logits before
+    anything else; a step without constrained rows passes None and compiles without it.
     """
     logits = logits.astype(jnp.float32)
-    adjusted = _apply_penalties(logits, b) if penalties else logits
+    adjusted = logits if bitmask is None else apply_bitmask(logits, bitmask)
+    adjusted = _apply_penalties(adjusted, b) if penalties else adjusted
     tokens = jnp.argmax(adjusted, axis=-1)
     if not greedy_only:
         tokens = jnp.where(b.temperature == 0, tokens, _sample_random(adjusted, b))

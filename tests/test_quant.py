@@ -105,8 +105,8 @@ MOE = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=0, num_layers
 
 
 @pytest.mark.parametrize("scheme", ["int4-g32", "Q4_K"])
-# 2 * 2 <= 6 experts: gathered matvecs ("gpu": as row reductions); 9 * 2: grouped matmuls
-@pytest.mark.parametrize("tokens,backend", [(2, "native"), (9, "native"), (2, "gpu")])
+# 2 * 2 <= 6 experts: gathered matvecs ("gpu": as row reductions); 9 * 2: grouped matmuls ("gpu": dense)
+@pytest.mark.parametrize("tokens,backend", [(2, "native"), (9, "native"), (2, "gpu"), (9, "gpu")])
 def test_moe_with_quantized_experts_equals_dequantized(monkeypatch, scheme, tokens, backend):
     """fp8 experts run weight-only (decoded to the activations' dtype) like the others. The
     reference is the dense experts on this backend's own path."""

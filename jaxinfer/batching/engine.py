@@ -20,6 +20,7 @@ import numpy as np
 from jaxinfer.batching import multihost
 from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
+from jaxinfer.batching.structured import Matchers, bitmask_width, compiler_for
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
 from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft
@@ -170,6 +171,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
         self._inflight = None  # (batch, device result, sampled rows) of the step last dispatched
+        self._matchers: Matchers | None = None  # structured outputs: made on the first constrained request
         self.counters = dict(prompt_tokens=0, generation_tokens=0, computed_prompt_tokens=0, steps=0,
                              step_tokens=0, host_time=0.0, spec_steps=0, spec_verified=0, spec_proposed=0,
                              spec_accepted=0)
@@ -228,6 +230,13 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         ids = self.encode(prompt)
+        if params.structured is not None:
+            if multihost.active():
+                raise ValueError("structured outputs are not supported over several processes")
+            if self._matchers is None:
+                self._matchers = Matchers(compiler_for(self.tokenizer, self.model_config.vocab_size,
+                                                       self.model_config.eos_token_ids))
+            self._matchers.add(request_id, params.structured)  # ValueError for a bad constraint
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
         seq = Sequence(request_id, ids, params, seed, priority=priority, arrival_index=next(self._arrivals))
         self.requests[request_id] = seq
@@ -242,6 +251,8 @@ class LLMEngine:
         if seq is None:
             return False
         self._trackers.pop(request_id, None)
+        if self._matchers is not None:
+            self._matchers.remove(request_id)
         self.scheduler.remove(seq)
         seq.finish_reason = "abort"
         return True
@@ -268,9 +279,25 @@ class LLMEngine:
             self._inflight = None
         batch = self.scheduler.schedule()
         inflight, self._inflight = self._inflight, None
-        if batch.seqs:
-            self._inflight = (batch, self.runner.run(batch), self._dispatched(batch))
-        host = time.perf_counter() - t0
+        if batch.seqs and self._matchers and any(s.request_id in self._matchers for s in batch.seqs):
+            # Constrained rows need their bitmask, which needs the last step's tokens: dispatch the
+            # forward pass, read the last step while it runs, then fill the bitmask and sample.
+            rows, sample_with = self.runner.run_forward(batch)
+            sampled = self._dispatched(batch)
+            host = time.perf_counter() - t0
+            if inflight is not None:
+                outputs += self._read(*inflight)  # counts its own host time
+                inflight = None
+            t0 = time.perf_counter()
+            bitmask = np.full((rows, bitmask_width(self.model_config.vocab_size)), -1, np.int32)
+            self._matchers.fill(bitmask, [(i, batch.seqs[i].request_id) for i in sampled
+                                          if batch.seqs[i].status is not Status.FINISHED])
+            self._inflight = (batch, sample_with(bitmask), sampled)
+            host += time.perf_counter() - t0
+        else:
+            if batch.seqs:
+                self._inflight = (batch, self.runner.run(batch), self._dispatched(batch))
+            host = time.perf_counter() - t0
         if inflight is not None:
             outputs += self._read(*inflight)
         self.counters["host_time"] += host
@@ -278,8 +305,9 @@ class LLMEngine:
 
     def _speculate_now(self) -> bool:
         """Whether this step speculates: not above ``speculative_max_num_seqs`` running sequences, where
-        verifying k more tokens per sequence stops being free next to reading the weights."""
-        on = len(self.scheduler.running) <= self.config.speculative_max_num_seqs
+        verifying k more tokens per sequence stops being free next to reading the weights, and not while
+        a request with structured outputs is live (its bitmask would be needed at every proposed position)."""
+        on = len(self.scheduler.running) <= self.config.speculative_max_num_seqs and not self._matchers
         if on != self._speculating:
             log.info("speculative decoding %s: %d sequences running (speculative_max_num_seqs=%d)",
                      "resumed" if on else "paused", len(self.scheduler.running),
@@ -354,6 +382,9 @@ class LLMEngine:
         logprobs = np.asarray(result.logprobs) if want_lp else None
         top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
         top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        # Constrained requests' matchers take their tokens; "complete": nothing but EOS may follow.
+        complete = set() if not self._matchers else self._matchers.advance(
+            [(batch.seqs[i].request_id, int(tokens[i])) for i in sampled if batch.seqs[i].status is not Status.FINISHED])
         outputs = []
         for i in sampled:
             seq = batch.seqs[i]
@@ -366,7 +397,7 @@ class LLMEngine:
                 if seq.params.logprobs and top_ids is not None:
                     top.update(zip(top_ids[i, :seq.params.logprobs].tolist(),
                                    top_lps[i, :seq.params.logprobs].tolist()))
-            outputs.append(self._append_tokens(seq, [int(tokens[i])], [top]))
+            outputs.append(self._append_tokens(seq, [int(tokens[i])], [top], seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
@@ -409,13 +440,14 @@ class LLMEngine:
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], tops: list) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], tops: list, complete: bool = False) -> RequestOutput:
         """Append a step's new tokens (one, or several from a verifying step) up to the first that ends
-        the request; one output for them all."""
+        the request; one output for them all. ``complete``: the last token completes the request's
+        structured output."""
         p = seq.params
         tr = self._trackers[seq.request_id]
         stop_cut = False
-        for token, top in zip(tokens, tops):
+        for j, (token, top) in enumerate(zip(tokens, tops)):
             self.counters["generation_tokens"] += 1
             if (token in self.model_config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 seq.finish_reason = "stop"
@@ -429,6 +461,9 @@ class LLMEngine:
                 seq.finish_reason = "stop"
                 stop_cut = True  # the text ends before the stop string: nothing left to flush
                 break
+            if complete and j == len(tokens) - 1:
+                seq.finish_reason = "stop"
+                break
             if len(seq.output_token_ids) >= p.max_tokens or (
                     len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
                 seq.finish_reason = "length"
@@ -439,6 +474,8 @@ class LLMEngine:
         if finished:
             self.requests.pop(seq.request_id, None)
             self._trackers.pop(seq.request_id, None)
+            if self._matchers is not None:
+                self._matchers.remove(seq.request_id)
             self.scheduler.remove(seq)
         # Hold back a tail that may still turn out to start a stop string.
         hold = 0 if finished or not p.stop else max(len(s) for s in p.stop) - 1
@@ -462,10 +499,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- introspection
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
-        """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds."""
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+        """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds.
+        ``structured``: also what steps with constrained requests run (else compiled on first use)."""
         t0 = time.perf_counter()
-        self.runner.warmup(shapes, greedy_only)
+        self.runner.warmup(shapes, greedy_only, structured)
         return time.perf_counter() - t0
 
     @property

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batching import multihost
 from jaxinfer.batching.scheduler import ScheduledBatch
+from jaxinfer.batching.structured import bitmask_width
 from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
@@ -123,6 +125,11 @@ def unpack_inputs(buf: jax.Array, packing: Packing):
     return jax.tree.unflatten(packing.treedef, leaves)
 
 
+def _as_last_tokens(result: SampleResult, prev_tokens: jax.Array) -> jax.Array:
+    """A step's sampled tokens padded to the largest sequence bucket, where the next step reads them."""
+    return jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
                  ops: Ops, max_logprobs: int = 20, mesh=None, max_executables: int = 256):
@@ -145,12 +152,13 @@ class ModelRunner:
         # as placed, the rest replicated; jit refuses in_shardings with the static keyword flags) and
         # pins its outputs': the cache comes back as it went in, so the next step finds it as
         # compiled for (no recompilation, no resharding).
-        step_shardings, swap_shardings = {}, {}
+        step_shardings, swap_shardings, forward_shardings, sample_shardings = {}, {}, {}, {}
         if mesh is not None:
             rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh)
             self.last_tokens = jax.device_put(self.last_tokens, rep)
             step_shardings = dict(out_shardings=(rep, kv, rep))
             swap_shardings = dict(out_shardings=kv)
+            forward_shardings, sample_shardings = dict(out_shardings=(rep, kv)), dict(out_shardings=(rep, rep))
         # Over several processes every one runs each step; process 0 sends them (``multihost``).
         self._multihost = mesh is not None and multihost.active()
         if self._multihost and multihost.is_leader():
@@ -164,6 +172,13 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
                              donate_argnums=() if ops.defer_kv_write else (1,),
                              compiler_options={"xla_disable_hlo_passes": "rematerialization"}, **step_shardings)
+        # A step with constrained sequences (structured outputs) runs as these two, so the host can
+        # fill its bitmask while the device runs the forward pass (``run_forward``).
+        self._forward = jax.jit(self._forward_fn, static_argnames=("packing",),
+                                donate_argnums=() if ops.defer_kv_write else (1,),
+                                compiler_options={"xla_disable_hlo_passes": "rematerialization"}, **forward_shardings)
+        self._sample = jax.jit(self._sample_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
+                               **sample_shardings)
         self._write = jax.jit(write_kv_layers, donate_argnums=(0,), **swap_shardings)
         self._swap_in = jax.jit(self._swap_in_fn, donate_argnums=(0,), **swap_shardings)
         self._gather = jax.jit(self._gather_fn)
@@ -174,14 +189,31 @@ class ModelRunner:
         log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s penalties=%s",
                  tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
                  num_logprobs, penalties)
-        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
-        logits, cache = forward(weights, tokens, positions, cache, md, self.config, self._ops)
+        logits, cache = self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
         kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
         if sb.proposals is not None:  # speculative: logits at every proposed position; read back before the next
             s = sb.proposals.shape[0]
             return verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw), cache, prev_tokens
         result = sample(logits, sb, **kw)
-        return result, cache, jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
+        return result, cache, _as_last_tokens(result, prev_tokens)
+
+    def _forward_tokens(self, weights, cache, prev_tokens, tokens, positions, md):
+        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
+        return forward(weights, tokens, positions, cache, md, self.config, self._ops)
+
+    def _forward_fn(self, weights, cache, prev_tokens, inputs, *, packing):
+        self.num_compilations += 1
+        tokens, positions, md = unpack_inputs(inputs, packing)
+        log.info("compiling forward: tokens=%d seqs=%d pages=%d decode_only=%s", tokens.shape[0],
+                 md.page_table.shape[0], md.page_table.shape[1], md.decode_only)
+        return self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
+
+    def _sample_fn(self, logits, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties):
+        self.num_compilations += 1
+        sb, bitmask = unpack_inputs(inputs, packing)
+        result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties,
+                        bitmask=bitmask)
+        return result, _as_last_tokens(result, prev_tokens)
 
     def prepare(self, batch: ScheduledBatch, num_speculative: int = 0):
         """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
@@ -280,7 +312,8 @@ class ModelRunner:
         if self._multihost:
             shape = (tokens.shape[0], *md.page_table.shape, sb.penalty_rows.shape[0])
             multihost.send_step(inputs, shape, md.decode_only, flags, feeds_next)
-        result, cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens, inputs)
+        result, cache, last = self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing,
+                                             flags)(self.weights, self.cache, self.last_tokens, inputs)
         if self._ops.defer_kv_write:
             cache = self._write(self.cache, *cache, md.slot_mapping)
         return result, cache, last
@@ -289,15 +322,16 @@ class ModelRunner:
     def num_executables(self) -> int:
         return len(self._executables)
 
-    def _compiled(self, inputs, packing: Packing, flags: dict):
-        """The step compiled for this input layout and these flags: from the LRU, or compiled now
-        (through the persistent compilation cache when one is set), evicting the least recently used."""
-        key = (packing, tuple(sorted(flags.items())))
+    def _compiled(self, fn, args, packing: Packing, flags: dict):
+        """``fn`` (the step, or a constrained step's forward or sampling half) compiled for these
+        arguments' layout and these flags: from the LRU, or compiled now (through the persistent
+        compilation cache when one is set), evicting the least recently used."""
+        key = (fn, packing, tuple(sorted(flags.items())))
         exe = self._executables.get(key)
         if exe is not None:
             self._executables.move_to_end(key)
             return exe
-        exe = self._step.lower(self.weights, self.cache, self.last_tokens, inputs, packing=packing, **flags).compile()
+        exe = fn.lower(*args, packing=packing, **flags).compile()
         self._executables[key] = exe
         if len(self._executables) > self.max_executables:
             self._executables.popitem(last=False)
@@ -311,6 +345,30 @@ class ModelRunner:
         self.num_steps += 1
         return multihost.local_view(result) if self._multihost else result
 
+    def run_forward(self, batch: ScheduledBatch) -> tuple[int, Callable[[np.ndarray], SampleResult]]:
+        """Dispatch one step's forward pass only; returns its row count ``S`` and the function that
+        dispatches its sampling with a token bitmask ``[S, ceil(vocab/32)]`` (int32, all bits set
+        where unconstrained), to be called before any other step. Used by steps with constrained
+        sequences: the host fills the bitmask while the device runs the forward pass (one process
+        only: the engine refuses constrained requests over several)."""
+        tokens, positions, md, sb, flags = self.prepare(batch)
+        inputs, packing = pack_inputs((tokens, positions, md))
+        args = (self.weights, self.cache, self.last_tokens, inputs)
+        logits, cache = self._compiled(self._forward, args, packing, {})(*args)
+        if self._ops.defer_kv_write:
+            cache = self._write(self.cache, *cache, md.slot_mapping)
+        self.cache = cache
+        self.num_steps += 1
+        prev = self.last_tokens
+
+        def sample_with(bitmask: np.ndarray) -> SampleResult:
+            sample_inputs, sample_packing = pack_inputs((sb, bitmask))
+            sample_args = (logits, prev, sample_inputs)
+            result, self.last_tokens = self._compiled(self._sample, sample_args, sample_packing, flags)(*sample_args)
+            return result
+
+        return md.page_table.shape[0], sample_with
+
     def follow(self) -> None:
         """A follower process of a multi-process run: run the steps process 0 sends until it stops."""
         while (step := multihost.receive_step()) is not None:
@@ -318,8 +376,8 @@ class ModelRunner:
             md = BatchMetadata(np.zeros(t, np.int32), np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
             _, packing = pack_inputs((md.slot_mapping, md.slot_mapping, md, SamplingBatch.greedy(s, k)))
-            _, self.cache, last = self._compiled(inputs, packing, flags)(self.weights, self.cache, self.last_tokens,
-                                                                         inputs)
+            args = (self.weights, self.cache, self.last_tokens, inputs)
+            _, self.cache, last = self._compiled(self._step, args, packing, flags)(*args)
             if feeds_next:
                 self.last_tokens = last
 
@@ -333,19 +391,30 @@ class ModelRunner:
         variants = (True,) if greedy_only else (True, False)
         return [(x, d, g) for x, d in steps for g in variants]
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> None:
-        """Compile every step of ``warmup_plan`` ahead of time, without running any."""
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> None:
+        """Compile every step of ``warmup_plan`` ahead of time, without running any; ``structured``:
+        also the forward and sampling halves that steps with constrained sequences run as."""
         plan = self.warmup_plan(shapes, greedy_only)
-        if len(plan) > self.max_executables:
-            raise ValueError(f"warm-up would compile {len(plan)} steps but max_executables is "
+        count = len(plan) + (len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan})
+                             if structured else 0)
+        if count > self.max_executables:
+            raise ValueError(f"warm-up would compile {count} steps but max_executables is "
                              f"{self.max_executables}: raise it or use fewer buckets")
         for (t, s, p), decode_only, greedy in tqdm(plan, desc="compiling buckets", unit="step"):
             tokens = np.zeros(t, np.int32)
             slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
             md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                                np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-            inputs, packing = pack_inputs((tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS)))
-            self._compiled(inputs, packing, dict(greedy_only=greedy, num_logprobs=None, penalties=False))
+            sb, flags = SamplingBatch.greedy(s, _PENALTY_SLOTS), dict(greedy_only=greedy, num_logprobs=None,
+                                                                       penalties=False)
+            inputs, packing = pack_inputs((tokens, tokens, md, sb))
+            self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
+            if structured:
+                inputs, packing = pack_inputs((tokens, tokens, md))
+                forward = self._compiled(self._forward, (self.weights, self.cache, self.last_tokens, inputs), packing,
+                                         {})
+                inputs, packing = pack_inputs((sb, np.zeros((s, bitmask_width(self.config.vocab_size)), np.int32)))
+                self._compiled(self._sample, (forward.out_info[0], self.last_tokens, inputs), packing, flags)
         if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
             c = self.config
             for t in sorted({t for (t, _, _), _, _ in plan}):

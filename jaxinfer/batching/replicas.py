@@ -66,8 +66,8 @@ class ReplicatedEngine:
                 outputs.append(out)
         return outputs
 
-    def warmup(self, shapes=None, greedy_only: bool = False) -> float:
-        return sum(e.warmup(shapes, greedy_only) for e in self.replicas)
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+        return sum(e.warmup(shapes, greedy_only, structured) for e in self.replicas)
 
     @property
     def num_compilations(self) -> int:

@@ -1,0 +1,201 @@
+"""Constrained decoding, host side: constraints compiled (and cached) with llguidance, one matcher
+per constrained sequence, and the token bitmask each step's sampler applies on device.
+
+Why llguidance, not xgrammar (both on PyPI; measured on SmolLM2's 49,152-token tokenizer over the
+15 schemas of tests/data/json_schemas.json, 2-core CPU, llguidance 1.9.1 / xgrammar 0.2.9):
+
+=====================================  ==================  ==================
+                                       llguidance          xgrammar
+=====================================  ==================  ==================
+tokenizer set-up (once per process)    0.26 s              0.11 s
+schema compile p50 / p99 / max         0.5 / 1.9 / 2.0 ms  5.4 / 13.9 / 15 ms
+mask per token p50 / p99 (random      3 / 181 us          1 / 16 us
+walks through every schema)
+``not``, ``if``/``then``,              refused by name     ``not`` silently
+``uniqueItems``, ``dependentRequired``                     ignored (an output
+                                                           that violates the
+                                                           schema passes)
+runtime dependencies                   none (abi3 wheels)  torch, triton,
+                                                           apache-tvm-ffi
+=====================================  ==================  ==================
+
+The mask is not the cost that matters: either is microseconds next to a decode step (tens of ms
+on this CPU, ~13 ms for 256 sequences of an 8B model on an H200), and llguidance's is computed
+while the device runs the step's forward pass. What decides it: llguidance refuses what it cannot
+enforce (the engine must never return output that violates the schema it accepted, and the server
+owes a 400 naming the keyword), compiles 10x faster (a new schema per request is the common case
+for tool calling), accepts Lark and GBNF grammars, and brings in nothing else, whereas xgrammar
+needs PyTorch in a JAX engine.
+
+Overlap: the bitmask of a constrained sequence at step N+1 depends on the token it sampled at step
+N. The engine dispatches step N+1's forward pass first (its input token is read on device), then
+reads step N's tokens, advances the matchers and fills the bitmask while the device computes, and
+dispatches the sampling last (``ModelRunner.run_forward``). A step without constrained sequences
+runs the fused step it always did and sends no bitmask.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+
+import numpy as np
+
+from jaxinfer.sampling_params import StructuredOutputs
+
+_CACHE_SIZE = 512  # distinct constraints kept compiled per tokenizer
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one row of the token bitmask (bit ``t % 32`` of word ``t // 32`` allows token t)."""
+    return (vocab_size + 31) // 32
+
+
+class ConstraintCompiler:
+    """Compiles constraints for one tokenizer and vocabulary, caching each distinct one (by
+    ``StructuredOutputs.key``): compiling builds and checks the grammar once; every request then
+    gets a copy of the compiled matcher, which is cheap."""
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None):
+        import llguidance.hf
+
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none (dummy weights without "
+                             "a tokenizer directory)")
+        self.vocab_size = vocab_size or len(tokenizer)
+        # The model's EOS ids that the tokenizer knows (a checkpoint paired with another model's
+        # tokenizer, as the dummy-weight benchmarks are, may have none: then the tokenizer's own).
+        eos = [t for t in eos_token_ids or () if t < len(tokenizer)] or tokenizer.eos_token_id
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the server may compile from its request threads
+        self.hits = self.misses = 0
+        self.compile_seconds: list[float] = []
+
+    def compile(self, structured: StructuredOutputs):
+        """The compiled matcher for ``structured`` (a template: call ``.deep_copy()`` per sequence);
+        ``ValueError`` naming the problem if the constraint is invalid or unsupported."""
+        import llguidance
+
+        if not isinstance(structured, StructuredOutputs):
+            raise TypeError(f"structured must be a StructuredOutputs, got {type(structured).__name__}")
+        key = structured.key
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return template
+        t0 = time.perf_counter()
+        kind = structured.kinds[0]
+        try:
+            grammar = _grammar(llguidance, kind, getattr(structured, kind))
+        except ValueError as e:
+            raise ValueError(f"invalid structured {kind}: {e}") from None
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            what = {"json": "JSON schema (invalid or unsupported)", "json_object": "JSON object constraint"}.get(
+                kind, kind)
+            raise ValueError(f"invalid structured {what}: {template.get_error().strip()}")
+        with self._lock:
+            self.misses += 1
+            self.compile_seconds.append(time.perf_counter() - t0)
+            self._cache[key] = template
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return template
+
+    def matcher(self, structured: StructuredOutputs):
+        """A fresh matcher for one sequence."""
+        return self.compile(structured).deep_copy()
+
+
+# JSON as ``json.dumps`` writes it: llguidance's default, any whitespace between tokens, let greedy
+# SmolLM2 emit newlines until max_tokens in 8 of 105 schema-constrained requests. A schema's own
+# "x-guidance" options override these.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _grammar(llguidance, kind: str, value) -> str:
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(value if isinstance(value, str) else json.dumps(value),
+                                                             defaults=_JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", list(value))
+    # A grammar in llama.cpp's GBNF (rules written ``name ::= ...``) is converted to Lark first.
+    return llguidance.grammar_from("gbnf" if "::=" in value else "lark", value)
+
+
+_compilers: dict[tuple, tuple[object, ConstraintCompiler]] = {}  # key -> (tokenizer, its compiler)
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(tokenizer, vocab_size: int | None = None, eos_token_ids=None) -> ConstraintCompiler:
+    """The process's compiler for this tokenizer and vocabulary (built once: ~0.3 s for SmolLM2)."""
+    key = (id(tokenizer), vocab_size, tuple(eos_token_ids or ()))
+    with _compilers_lock:
+        held = _compilers.get(key)
+        if held is None:  # holding the tokenizer keeps its id from being reused by another
+            held = _compilers[key] = (tokenizer, ConstraintCompiler(tokenizer, vocab_size, eos_token_ids))
+        return held[1]
+
+
+def compile_constraint(tokenizer, structured: StructuredOutputs, vocab_size: int | None = None,
+                       eos_token_ids=None):
+    """Validate and compile ``structured`` for ``tokenizer`` (cached per process): raises ``ValueError``
+    naming the problem. The server calls it to answer 400 before queueing; the engine calls it in
+    ``add_request``, and gets the compiled constraint from the cache."""
+    return compiler_for(tokenizer, vocab_size, eos_token_ids).compile(structured)
+
+
+class Matchers:
+    """The matchers of one engine's constrained sequences, keyed by request id."""
+
+    def __init__(self, compiler: ConstraintCompiler):
+        import llguidance
+
+        self.compiler = compiler
+        self._by_request: dict[str, object] = {}
+        self._executor = llguidance.LLExecutor()
+
+    def add(self, request_id: str, structured: StructuredOutputs) -> None:
+        self._by_request[request_id] = self.compiler.matcher(structured)
+
+    def remove(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def advance(self, tokens: list[tuple[str, int]]) -> set[str]:
+        """Consume each ``(request id, sampled token)`` of a constrained request (others are skipped),
+        in parallel; returns the requests whose constraint is now complete (nothing but EOS may follow)."""
+        import llguidance.numpy
+
+        pairs = [(self._by_request[rid], token, rid) for rid, token in tokens if rid in self._by_request]
+        if not pairs:
+            return set()
+        ok = llguidance.numpy.consume_token_par(self._executor, [(m, t) for m, t, _ in pairs])
+        for (m, token, rid), good in zip(pairs, ok):
+            if not good:
+                raise RuntimeError(f"request {rid}: sampled token {token} violates its constraint "
+                                   f"(the bitmask should have excluded it): {m.get_error()}")
+        return {rid for m, _, rid in pairs if m.is_stopped()}
+
+    def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> None:
+        """Write the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32, C
+        order), in parallel over llguidance's threads; other rows stay as they are (all allowed)."""
+        import llguidance.numpy
+
+        pairs = [(self._by_request[rid], row) for row, rid in rows if rid in self._by_request]
+        if pairs:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)

@@ -1,0 +1,121 @@
+"""Structured outputs: what constrained decoding costs, side by side in one run.
+
+1. Output throughput of ``--max_num_seqs`` concurrent sequences (``--num_prompts`` requests kept
+   queued so every slot stays busy), every one constrained (``--constraint``: ``schema``, a JSON
+   schema of a record list long enough to fill ``--output_len``; or ``json_object``), against the
+   same requests unconstrained, each generating exactly as many tokens as it did constrained
+   (``ignore_eos``): the same work, so the ratio is the constraint's cost. Each run goes twice and
+   the second counts (the first compiles what it meets). Reported: output tok/s of each, their
+   ratio (target >= 0.85), host time per step, compilations during the counted runs.
+2. Constraint compile time over the schemas shipped in tests/data/json_schemas.json (p50/p99, each
+   compiled cold in a fresh compiler), and the cache: compiling them all again must hit every time.
+
+    python scripts/bench_structured.py                                   # CPU, embedded SmolLM2
+    bash scripts/bench_structured_h200.sh json_object                    # H200: llama3-8b dummy, 256 sequences
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+import engine_flags  # scripts/ is on sys.path when run as a script
+import model_flags
+
+flags.adopt_module_key_flags(engine_flags)
+flags.adopt_module_key_flags(model_flags)
+flags.DEFINE_integer("num_prompts", 48, "Requests per run (queued, so all max_num_seqs slots stay busy).")
+flags.DEFINE_integer("output_len", 128, "Most tokens per request.")
+flags.DEFINE_enum("constraint", "schema", ["schema", "json_object"], "What every constrained request asks for.")
+flags.DEFINE_string("out", "results/structured.json", "Where to write the JSON results.")
+F = flags.FLAGS
+
+SCHEMAS = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "json_schemas.json")
+# Enough records that the constraint does not complete before --output_len: the run measures decode
+# under the constraint, not shorter requests.
+RECORDS = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "records": {"type": "array", "minItems": 64, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                         "kind": {"enum": ["alpha", "beta", "gamma"]},
+                                         "note": {"type": "string", "maxLength": 12}},
+        "required": ["id", "kind", "note"], "additionalProperties": False}}},
+    "required": ["name", "records"], "additionalProperties": False}
+TOPICS = ["customers", "cities", "products", "books", "sensors", "games", "recipes", "planets"]
+
+
+def run(llm, prompts, params) -> tuple[dict, list]:
+    """Generate twice (the first compiles whatever step shapes it meets); figures of the second."""
+    eng = llm.engine
+    llm.generate(prompts, params)
+    c0, compilations = dict(eng.counters), eng.num_compilations
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = eng.counters["steps"] - c0["steps"]
+    return dict(wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall, steps=steps,
+                host_ms_per_step=1e3 * (eng.counters["host_time"] - c0["host_time"]) / max(1, steps),
+                compilations=eng.num_compilations - compilations,
+                finish_reasons={r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}}
+                ), outs
+
+
+def compile_times(tokenizer, vocab_size, eos) -> dict:
+    from jaxinfer import StructuredOutputs
+    from jaxinfer.batching.structured import ConstraintCompiler
+
+    schemas = [StructuredOutputs(json=c["schema"]) for c in json.load(open(SCHEMAS))]
+    cold = []
+    for s in schemas:  # a fresh compiler each time: nothing cached
+        comp = ConstraintCompiler(tokenizer, vocab_size, eos)
+        comp.compile(s)
+        cold.append(comp.compile_seconds[-1])
+    comp = ConstraintCompiler(tokenizer, vocab_size, eos)
+    for s in schemas + schemas:
+        comp.compile(s)
+    ms = 1e3 * np.asarray(cold)
+    return dict(schemas=len(schemas), compile_ms_p50=float(np.percentile(ms, 50)),
+                compile_ms_p99=float(np.percentile(ms, 99)), compile_ms_max=float(ms.max()),
+                cache_hits=comp.hits, cache_misses=comp.misses)
+
+
+def main(argv):
+    from jaxinfer import LLM, SamplingParams, StructuredOutputs
+
+    llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
+    mc = llm.engine.model_config
+    structured = StructuredOutputs(json=RECORDS) if F.constraint == "schema" else StructuredOutputs(json_object=True)
+    prompts = [f"A JSON list of {TOPICS[i % len(TOPICS)]} (#{i}):" for i in range(F.num_prompts)]
+    results = dict(device=str(llm.engine.runner.cache.k.devices()), model=F.model, max_num_seqs=F.max_num_seqs,
+                   num_prompts=F.num_prompts, output_len=F.output_len, constraint=F.constraint)
+    results["constrained"], outs = run(llm, prompts, SamplingParams(
+        max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured))
+    results["free"], _ = run(llm, prompts, [SamplingParams(max_tokens=len(o.token_ids), temperature=0.0,
+                                                           ignore_eos=True) for o in outs])
+    results["throughput_ratio"] = results["constrained"]["output_tok_s"] / results["free"]["output_tok_s"]
+    results["compile"] = compile_times(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
+    results["command"] = "python scripts/bench_structured.py " + " ".join(argv[1:])
+    os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
+    with open(F.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\n{'run':<12} {'output tok/s':>12} {'tokens':>8} {'steps':>6} {'host ms/step':>13} {'compiles':>8}  finish")
+    for k in ("free", "constrained"):
+        r = results[k]
+        print(f"{k:<12} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['steps']:>6} "
+              f"{r['host_ms_per_step']:>13.2f} {r['compilations']:>8}  {r['finish_reasons']}")
+    c = results["compile"]
+    print(f"throughput ratio constrained/free: {results['throughput_ratio']:.3f} (target >= 0.85)")
+    print(f"compile over {c['schemas']} schemas: p50 {c['compile_ms_p50']:.2f} ms, p99 {c['compile_ms_p99']:.2f} ms, "
+          f"max {c['compile_ms_max']:.2f} ms; compiling them twice: {c['cache_hits']} hits, "
+          f"{c['cache_misses']} misses")
+    print(f"(json: {F.out})")
+
+
+if __name__ == "__main__":
+    app.run(main)
