@@ -9,10 +9,15 @@ Workloads (``--workload``):
   replay  end-to-end tok/s at each ``--batch_sizes`` (random prompts): plain greedy against speculation
           by a replay proposer that proposes what the plain run produced (acceptance ~1, proposing free):
           the machinery's ceiling, and where speculation stops paying as the batch grows.
+  draft   the ``draft`` proposer (``--draft_model``) end to end at each ``--batch_sizes``: time spent
+          proposing per proposed token against the target's step time (random weights make its
+          acceptance meaningless; the cost is what this measures).
 
     python scripts/bench_speculative.py --workload cpu --out docs/results/cpu-speculative.json
     python scripts/bench_speculative.py --model llama3-8b --load_format dummy --workload verify,replay \\
         --batch_sizes 1,64,256 --out $OUT/spec-llama3-8b.json
+    python scripts/bench_speculative.py --model llama3-8b --load_format dummy --workload draft \\
+        --draft_model llama3.2-1b --batch_sizes 1 --out $OUT/spec-draft.json
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from absl import app, flags
 import model_flags  # scripts/ is on sys.path when run as a script
 
 flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay.")
+flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, draft.")
+flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.")
 flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
 flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
@@ -52,12 +58,12 @@ class ReplayProposer:
                 for s, k in zip(seqs, limits)]
 
 
-def make_llm(max_num_seqs: int, **options):
+def make_llm(max_num_seqs: int, method: str = "ngram", **options):
     from jaxinfer import LLM
     budget = max(512, max_num_seqs * (F.k + 1))
-    return LLM(F.model, **model_flags.load_options(), speculative_method="ngram", num_speculative_tokens=F.k,
+    return LLM(F.model, **model_flags.load_options(), speculative_method=method, num_speculative_tokens=F.k,
                speculative_max_num_seqs=max_num_seqs, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-               **options)
+               enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
 
 
 def timed_run(llm, prompts, proposer) -> dict:
@@ -173,6 +179,36 @@ def replay(results):
     results["replay"] = dict(k=F.k, by_batch=out)
 
 
+def draft(results):
+    sizes = [int(b) for b in F.batch_sizes]
+    llm = make_llm(max(sizes), "draft", speculative_model=F.draft_model,
+                   max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
+    proposer, vocab = llm.engine.proposer, llm.engine.model_config.vocab_size
+    spent = [0.0]
+
+    class Timed:
+        def propose(self, seqs, limits):
+            t = time.perf_counter()
+            out = proposer.propose(seqs, limits)
+            spent[0] += time.perf_counter() - t
+            return out
+    rng = np.random.default_rng(2)
+    out = {}
+    for b in sizes:
+        prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
+        timed_run(llm, prompts, None)
+        plain = timed_run(llm, prompts, None)
+        timed_run(llm, prompts, Timed())
+        spent[0] = 0.0
+        spec = timed_run(llm, prompts, Timed())
+        plain_step = plain["wall_s"] / plain["steps"]
+        per_token = spent[0] / max(1, spec["proposed"])
+        out[b] = dict(plain_tok_s=plain["tok_s"], draft_tok_s=spec["tok_s"], plain_step_ms=plain_step * 1e3,
+                      propose_ms_per_step=spent[0] / spec["steps"] * 1e3, propose_ms_per_token=per_token * 1e3,
+                      propose_token_over_target_step=per_token / plain_step, acceptance_rate=spec["acceptance_rate"])
+    results["draft"] = dict(k=F.k, draft_model=F.draft_model, by_batch=out)
+
+
 def print_table(results):
     print(f"{'workload':<10} {'case':<22} {'plain':>10} {'spec':>10} {'ratio':>7} {'accept':>7}")
     if "cpu" in results:
@@ -188,6 +224,10 @@ def print_table(results):
     for b, r in results.get("replay", {}).get("by_batch", {}).items():
         print(f"{'replay':<10} {'batch ' + str(b) + ' (tok/s)':<22} {r['plain_tok_s']:>10.1f} {r['spec_tok_s']:>10.1f} "
               f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}")
+    for b, r in results.get("draft", {}).get("by_batch", {}).items():
+        print(f"{'draft':<10} {'batch ' + str(b) + ' (ms)':<22} {r['plain_step_ms']:>10.3f} "
+              f"{r['propose_ms_per_token']:>10.3f} {r['propose_token_over_target_step']:>7.2f} "
+              f"{r['acceptance_rate']:>7.2f}   (target step, draft per proposed token)")
 
 
 def main(argv):
@@ -197,7 +237,7 @@ def main(argv):
     results = dict(model=F.model, backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
                    jax=jax.__version__, workloads=F.workload)
     for w in F.workload:
-        {"cpu": cpu, "verify": verify_cost, "replay": replay}[w](results)
+        {"cpu": cpu, "verify": verify_cost, "replay": replay, "draft": draft}[w](results)
         os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
         with open(F.out, "w") as f:  # after each workload, so a run cut short keeps its figures
             json.dump(results, f, indent=1, default=str)
