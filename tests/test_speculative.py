@@ -164,6 +164,17 @@ def test_randomized_workload_no_leak():
     assert_no_leak(llm.engine)
 
 
+def test_no_compilation_after_warmup():
+    llm = LLM(MODEL, load_format="dummy", max_num_seqs=1, max_num_batched_tokens=16, max_model_len=256,
+              seq_buckets=(1,), page_buckets=(16,), speculative_method="ngram", num_speculative_tokens=3)
+    assert llm.engine.runner.buckets.tokens == (1, 4, 16)  # the batch-1 verify step has its own bucket
+    llm.warmup(greedy_only=True)
+    before = llm.engine.num_compilations
+    prompt = make_prompts(21, 1, low=40, high=41)[0]
+    llm.generate([prompt + prompt], greedy(24))
+    assert llm.engine.stats()["spec_steps"] > 0 and llm.engine.num_compilations == before
+
+
 def test_seeded_sampling_repeats_with_speculation():
     prompts = [p + p for p in make_prompts(13, 1, low=20, high=21)]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)

@@ -503,7 +503,10 @@ class LLMEngine:
         """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds.
         ``structured``: also what steps with constrained requests run (else compiled on first use)."""
         t0 = time.perf_counter()
-        self.runner.warmup(shapes, greedy_only, structured)
+        self.runner.warmup(shapes, greedy_only, structured,
+                           self.config.num_speculative_tokens if self.proposer is not None else 0)
+        if isinstance(self.proposer, DraftProposer):  # proposals are greedy
+            self.proposer.engine.warmup(greedy_only=True)
         return time.perf_counter() - t0
 
     @property

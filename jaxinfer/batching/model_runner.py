@@ -391,12 +391,14 @@ class ModelRunner:
         variants = (True,) if greedy_only else (True, False)
         return [(x, d, g) for x, d in steps for g in variants]
 
-    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> None:
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
+               num_speculative: int = 0) -> None:
         """Compile every step of ``warmup_plan`` ahead of time, without running any; ``structured``:
-        also the forward and sampling halves that steps with constrained sequences run as."""
+        also the forward and sampling halves that steps with constrained sequences run as;
+        ``num_speculative``: also each step's verifying variant (``prepare(batch, num_speculative)``)."""
         plan = self.warmup_plan(shapes, greedy_only)
-        count = len(plan) + (len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan})
-                             if structured else 0)
+        count = len(plan) * (2 if num_speculative else 1) + (
+            len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan}) if structured else 0)
         if count > self.max_executables:
             raise ValueError(f"warm-up would compile {count} steps but max_executables is "
                              f"{self.max_executables}: raise it or use fewer buckets")
@@ -409,6 +411,11 @@ class ModelRunner:
                                                                        penalties=False)
             inputs, packing = pack_inputs((tokens, tokens, md, sb))
             self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
+            if num_speculative:
+                md_v = dataclasses.replace(md, logits_indices=np.zeros(s * (num_speculative + 1), np.int32))
+                sb_v = dataclasses.replace(sb, proposals=np.full((s, num_speculative), -1, np.int32))
+                inputs, packing = pack_inputs((tokens, tokens, md_v, sb_v))
+                self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
             if structured:
                 inputs, packing = pack_inputs((tokens, tokens, md))
                 forward = self._compiled(self._forward, (self.weights, self.cache, self.last_tokens, inputs), packing,
