@@ -31,6 +31,8 @@ class SamplingBatch:
     penalty_rows: jax.Array  # i32 [K]
     penalty_tokens: jax.Array  # i32 [K]
     penalty_counts: jax.Array  # f32 [K]
+    # Speculative steps only: the tokens proposed after each row's last one, padded with -1 (``verify``).
+    proposals: jax.Array | None = None  # i32 [S, num_speculative_tokens]
 
     @staticmethod
     def greedy(rows: int, penalty_slots: int) -> SamplingBatch:
@@ -59,8 +61,9 @@ def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * present
 
 
-def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution, then Gumbel-max."""
+def _filtered(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution: ``(order, masked)``,
+    the vocabulary sorted by descending logit and the scaled logits in that order, ``-inf`` where filtered."""
     vocab = logits.shape[-1]
     temp = jnp.where(b.temperature > 0, b.temperature, 1.0)
     scaled = logits / temp[:, None]
@@ -72,14 +75,24 @@ def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
     keep &= (before < b.top_p[:, None]) | (rank == 0)
     keep &= probs >= b.min_p[:, None] * probs[:, :1]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
-    def gumbel(seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
 
-    noise = jax.vmap(gumbel)(b.seed, b.step)
-    choice = jnp.argmax(masked + noise, axis=-1)
+def _row_keys(b: SamplingBatch):
+    """One key per row, from ``(seed, index of the generated token)``."""
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(b.seed, b.step)
+
+
+def _gumbel_argmax(masked: jax.Array, b: SamplingBatch) -> jax.Array:
+    """A sample from ``softmax(masked)`` per row (Gumbel-max), keyed per row by ``_row_keys``."""
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, masked.shape[-1:], jnp.float32))(_row_keys(b))
+    return jnp.argmax(masked + noise, axis=-1)
+
+
+def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution, then Gumbel-max."""
+    order, masked = _filtered(logits, b)
+    choice = _gumbel_argmax(masked, b)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
@@ -120,3 +133,78 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, nu
         top_lp, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
         top_ids = top_ids.astype(jnp.int32)
     return SampleResult(tokens, token_lp, top_ids, top_lp)
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    """A speculative step's outcome per sequence: ``tokens[s, :num_accepted[s] + 1]`` are its new tokens
+    (the accepted proposals, then one the target chose itself)."""
+    tokens: jax.Array  # i32 [S, K + 1]
+    num_accepted: jax.Array  # i32 [S]
+    logprobs: jax.Array | None  # f32 [S, K + 1]
+    top_tokens: jax.Array | None  # i32 [S, K + 1, n]
+    top_logprobs: jax.Array | None  # f32 [S, K + 1, n]
+
+
+jax.tree_util.register_dataclass(VerifyResult, data_fields=["tokens", "num_accepted", "logprobs", "top_tokens",
+                                                            "top_logprobs"], meta_fields=[])
+
+
+def _per_position(b: SamplingBatch, k1: int) -> SamplingBatch:
+    """``b`` with each row repeated for the ``k1`` positions a sequence is verified at; position ``j``
+    samples the request's ``step + j``-th token, so its randomness is that token's. Penalties apply at
+    position 0 only (a penalized request does not speculate: later positions would need the proposals
+    counted)."""
+    rep = lambda x: jnp.repeat(x, k1)  # noqa: E731
+    step = (b.step[:, None] + jnp.arange(k1, dtype=b.step.dtype)[None, :]).reshape(-1)
+    return SamplingBatch(rep(b.temperature), rep(b.top_k), rep(b.top_p), rep(b.min_p), rep(b.seed), step,
+                         rep(b.presence_penalty), rep(b.frequency_penalty), b.penalty_rows * k1, b.penalty_tokens,
+                         b.penalty_counts)
+
+
+def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False,
+           num_logprobs: int | None = None, penalties: bool = False) -> VerifyResult:
+    """Accept a prefix of each row's proposed tokens against the target's ``logits [S, K + 1, V]``.
+
+    ``logits[s, j]`` is the target's distribution after proposal ``j - 1`` (``j = 0``: after the
+    sequence's last known token); ``b.proposals [S, K]`` is padded with -1 (never accepted). Greedy
+    rows accept the longest prefix equal to the target's argmax. Sampled rows use rejection sampling
+    against a point-mass proposal (Leviathan et al. 2023 with ``q = 1`` at the proposed token): accept
+    proposal ``d`` with probability ``p(d)`` under the target's filtered distribution ``p``, and on
+    rejection sample from ``p`` with ``d`` removed, renormalized; so every emitted token is distributed
+    exactly as ``p``. After the accepted prefix one token is always the target's own (the correction
+    or, if all were accepted, the next one), so a step emits ``num_accepted + 1`` tokens.
+    """
+    s, k1, vocab = logits.shape
+    k = k1 - 1
+    rb = _per_position(b, k1)
+    flat = logits.reshape(s * k1, vocab).astype(jnp.float32)
+    adjusted = _apply_penalties(flat, rb) if penalties else flat
+    target = jnp.argmax(adjusted, axis=-1).astype(jnp.int32).reshape(s, k1)
+    prop = jnp.concatenate([b.proposals, jnp.full((s, 1), -1, jnp.int32)], axis=1)  # position K: nothing proposed
+    accept = prop == target
+    tokens = target
+    if not greedy_only:
+        order, masked = _filtered(adjusted, rb)
+        d = prop.reshape(-1)
+        rank_of_d = jnp.argmax(order == d[:, None], axis=-1)  # where d sits in the sorted vocabulary
+        proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == rank_of_d[:, None])
+        p_d = jnp.sum(jnp.where(proposed, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(_row_keys(rb))
+        choice = _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
+        resampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        kept = (d >= 0) & (u < p_d)
+        sampled = jnp.where(kept, d, resampled).reshape(s, k1).astype(jnp.int32)
+        greedy_row = (b.temperature == 0)[:, None]
+        accept = jnp.where(greedy_row, accept, kept.reshape(s, k1))
+        tokens = jnp.where(greedy_row, target, sampled)
+    num_accepted = jnp.sum(jnp.cumprod(accept[:, :k].astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    if num_logprobs is None:
+        return VerifyResult(tokens, num_accepted, None, None, None)
+    logprobs_all = jax.nn.log_softmax(flat, axis=-1)
+    token_lp = jnp.take_along_axis(logprobs_all, tokens.reshape(-1, 1), axis=-1).reshape(s, k1)
+    top_lp = top_ids = None
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
+        top_lp, top_ids = top_lp.reshape(s, k1, -1), top_ids.astype(jnp.int32).reshape(s, k1, -1)
+    return VerifyResult(tokens, num_accepted, token_lp, top_ids, top_lp)

@@ -26,12 +26,19 @@ flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the eng
                   "to --max_num_seqs).")
 flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
                   "up to max_model_len / page_size).")
+flags.DEFINE_enum("speculative_method", None, ["ngram"], "Speculative decoding: 'ngram' proposes the tokens that "
+                  "followed the sequence's last n-gram in its own prompt and output (off by default).")
+flags.DEFINE_integer("num_speculative_tokens", 4, "Tokens proposed per sequence and step (1..16).")
+flags.DEFINE_integer("ngram_min", 1, "Shortest n-gram the ngram proposer matches.")
+flags.DEFINE_integer("ngram_max", 4, "Longest n-gram the ngram proposer matches (tried first).")
+flags.DEFINE_integer("speculative_max_num_seqs", 16, "Speculation pauses while more sequences than this run.")
 F = flags.FLAGS
 
 # The flags that pass through unchanged to scripts/serve.py when a benchmark launches it.
 NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "compilation_cache_dir", "max_num_seqs",
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
-         "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel")
+         "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
+         "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs")
 
 
 def buckets(values: list[str] | None) -> tuple[int, ...] | None:
@@ -48,7 +55,10 @@ def engine_config():
         max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens,
         max_model_len=F.max_model_len, enable_prefix_caching=F.enable_prefix_caching,
         token_buckets=buckets(F.token_buckets), seq_buckets=buckets(F.seq_buckets),
-        page_buckets=buckets(F.page_buckets), **model_flags.load_options(), **model_flags.parallel_options())
+        page_buckets=buckets(F.page_buckets), speculative_method=F.speculative_method,
+        num_speculative_tokens=F.num_speculative_tokens, ngram_min=F.ngram_min, ngram_max=F.ngram_max,
+        speculative_max_num_seqs=F.speculative_max_num_seqs, **model_flags.load_options(),
+        **model_flags.parallel_options())
 
 
 def command_line() -> list[str]:

@@ -55,6 +55,13 @@ class EngineConfig:
       (``jaxinfer.paged.kv_cache``): about half of bf16's bytes, so the default pool holds about twice
       the pages. The reference and ``pallas_gpu`` backends read them; not yet with the TPU kernel nor
       with ``tensor_parallel > 1``.
+    - ``speculative_method``: ``None`` (off), ``"ngram"`` (prompt lookup, ``batching.speculative``) or
+      ``"draft"`` (greedy proposals of ``speculative_model``, a model with the target's tokenizer, run in
+      its own engine with this config's sizes, dtype, load format and seed):
+      up to ``num_speculative_tokens`` (1..16) proposed tokens per sequence are verified in one step,
+      matched against the last ``ngram_min..ngram_max`` tokens. Outputs are those without speculation
+      (greedy: token-identical; sampling: the same distribution). Speculation is off for a step when
+      more than ``speculative_max_num_seqs`` sequences run (where the step stops being memory-bound).
     """
 
     page_size: int = 16
@@ -83,6 +90,12 @@ class EngineConfig:
     max_logprobs: int = 20
     tensor_parallel: int = 1
     data_parallel: int = 1
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_max_num_seqs: int = 16
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
@@ -100,6 +113,7 @@ class EngineConfig:
             # The per-device ops' shard_map specs cover the K/V pages, not yet their scales.
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel > 1 or data_parallel > 1 "
                              f"is not supported yet; use kv_cache_dtype='auto'")
+        _check_speculative(self)
         for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -133,3 +147,20 @@ def default_compilation_cache_dir() -> str:
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_speculative(c: EngineConfig) -> None:
+    from jaxinfer.batching.speculative import MAX_SPECULATIVE_TOKENS, METHODS
+
+    if c.speculative_method is not None and c.speculative_method not in METHODS:
+        raise ValueError(f"speculative_method must be None or one of {METHODS}, got {c.speculative_method!r}")
+    for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs"):
+        _positive(name, getattr(c, name))
+    if c.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {c.num_speculative_tokens}")
+    if (c.speculative_method == "draft") != (c.speculative_model is not None):
+        raise ValueError("speculative_model must be given with speculative_method='draft', and only then; got "
+                         f"speculative_method={c.speculative_method!r}, speculative_model={c.speculative_model!r}")
+    if c.ngram_min > c.ngram_max:
+        raise ValueError(f"ngram_min ({c.ngram_min}) must be <= ngram_max ({c.ngram_max})")

@@ -22,6 +22,7 @@ from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.structured import Matchers, bitmask_width, compiler_for
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
+from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
@@ -145,6 +146,10 @@ class LLMEngine:
             cache = sharding.zeros_cache(mc, self.mesh, num_pages, ps, kv_dtype)
         budget = config.max_num_batched_tokens
         default = default_buckets(backend, budget, config.max_num_seqs, pages_per_seq)
+        if config.speculative_method is not None and config.num_speculative_tokens < budget:
+            # a batch-1 verify step (last token + k proposals) in its own bucket, not padded to the next
+            default = dataclasses.replace(default, tokens=tuple(sorted({*default.tokens,
+                                                                        config.num_speculative_tokens + 1})))
         buckets = Buckets(tokens=config.token_buckets or default.tokens, seqs=config.seq_buckets or default.seqs,
                           pages=config.page_buckets or default.pages)
         if buckets.tokens[-1] < budget or buckets.seqs[-1] < config.max_num_seqs or buckets.pages[-1] < pages_per_seq:
@@ -168,7 +173,23 @@ class LLMEngine:
         self._inflight = None  # (batch, device result, sampled rows) of the step last dispatched
         self._matchers: Matchers | None = None  # structured outputs: made on the first constrained request
         self.counters = dict(prompt_tokens=0, generation_tokens=0, computed_prompt_tokens=0, steps=0,
-                             step_tokens=0, host_time=0.0)
+                             step_tokens=0, host_time=0.0, spec_steps=0, spec_verified=0, spec_proposed=0,
+                             spec_accepted=0)
+        self.proposer: Proposer | None = None
+        if config.speculative_method is not None:
+            if multihost.active():
+                raise ValueError("speculative_method is not supported over several processes yet")
+            if config.speculative_method == "ngram":
+                self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+            else:
+                draft = LLMEngine(config.speculative_model, dataclasses.replace(
+                    config, speculative_method=None, speculative_model=None, max_model_len=self.max_model_len,
+                    num_pages=config.num_pages or pages_per_seq * min(config.max_num_seqs, 64), token_buckets=None,
+                    page_buckets=None, quantization="auto", tensor_parallel=1, data_parallel=1,
+                    enable_prefix_caching=True))
+                check_draft(self, draft)
+                self.proposer = DraftProposer(draft)
+        self._speculating = self.proposer is not None
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
                  sum(x.nbytes for x in jax.tree.leaves(cache)) / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
         if self.mesh is not None:
@@ -249,6 +270,8 @@ class LLMEngine:
         the host never waits for them before dispatching; outputs therefore lag one step. A request
         that turns out to have finished in the previous step wastes its slot in the new one.
         """
+        if self.proposer is not None and self._speculate_now():
+            return self._step_speculative()
         t0 = time.perf_counter()
         outputs = []
         if self._inflight is not None and any(  # penalties need every generated token on the host
@@ -281,6 +304,58 @@ class LLMEngine:
         self.counters["host_time"] += host
         return outputs
 
+    def _speculate_now(self) -> bool:
+        """Whether this step speculates: not above ``speculative_max_num_seqs`` running sequences, where
+        verifying k more tokens per sequence stops being free next to reading the weights, and not while
+        a request with structured outputs is live (its bitmask would be needed at every proposed position)."""
+        on = len(self.scheduler.running) <= self.config.speculative_max_num_seqs and not self._matchers
+        if on != self._speculating:
+            log.info("speculative decoding %s: %d sequences running (speculative_max_num_seqs=%d)",
+                     "resumed" if on else "paused", len(self.scheduler.running),
+                     self.config.speculative_max_num_seqs)
+            self._speculating = on
+        return on
+
+    def _step_speculative(self) -> list[RequestOutput]:
+        """One step that verifies proposals, run synchronously: proposals need every sequence's tokens on
+        the host, so the step in flight (if any) is read first and this one's result before returning.
+        A sequence then advances by the number of proposals accepted plus one (``_read_verified``)."""
+        t0 = time.perf_counter()
+        outputs = []
+        if self._inflight is not None:
+            outputs += self._read(*self._inflight)
+            self._inflight = None
+        k, eligible, limits = self.config.num_speculative_tokens, [], []
+        for seq in self.scheduler.running:
+            p = seq.params
+            if seq.is_prefill or seq.final_pending or p.presence_penalty or p.frequency_penalty:
+                continue  # penalties would need the proposals counted at each later position
+            limit = min(k, p.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+            if limit > 0:
+                eligible.append(seq)
+                limits.append(limit)
+        for seq, draft in zip(eligible, self.proposer.propose(eligible, limits) if eligible else []):
+            seq.draft_token_ids = list(draft)
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        result = self.runner.run(batch, k)
+        sampled = self._dispatched(batch)
+        self.counters["spec_steps"] += 1
+        self.counters["host_time"] += time.perf_counter() - t0
+        outputs += self._read_verified(batch, result, sampled)
+        for seq in self.scheduler.running:  # proposals of sequences the budget left out of this step
+            seq.draft_token_ids = []
+        return outputs
+
+    def _commit(self, seq: Sequence) -> None:
+        """Publish the pages filled by tokens whose K/V exist and whose ids are known on the host (a
+        pending token's and a proposal's are not yet)."""
+        known = min(seq.num_computed_tokens, len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        if known // self.blocks.page_size > seq.committed_pages:
+            seq.committed_pages, seq.committed_key = self.blocks.commit(
+                seq.page_table, seq.token_ids, known, seq.committed_pages, seq.committed_key)
+
     def _dispatched(self, batch) -> list[int]:
         """Advance host state as if the step had run; returns the rows that sample a token."""
         sampled = []
@@ -288,10 +363,8 @@ class LLMEngine:
             self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
                                                                   - seq.num_computed_tokens))
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens // self.blocks.page_size > seq.committed_pages:  # a page filled up
-                seq.committed_pages, seq.committed_key = self.blocks.commit(
-                    seq.page_table, seq.token_ids, seq.num_computed_tokens, seq.committed_pages, seq.committed_key)
-            if seq.num_computed_tokens < seq.num_tokens:
+            self._commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens + len(seq.draft_token_ids):
                 continue  # a prefill chunk that is not the last: nothing sampled
             seq.pending += 1
             seq.pending_row, seq.pending_step = i, self.runner.num_steps - 1
@@ -325,19 +398,61 @@ class LLMEngine:
                 if seq.params.logprobs and top_ids is not None:
                     top.update(zip(top_ids[i, :seq.params.logprobs].tolist(),
                                    top_lps[i, :seq.params.logprobs].tolist()))
-            outputs.append(self._append_token(seq, int(tokens[i]), top, seq.request_id in complete))
+            outputs.append(self._append_tokens(seq, [int(tokens[i])], [top], seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, top: dict[int, float] | None,
-                      complete: bool = False) -> RequestOutput:
+    def _read_verified(self, batch, result, sampled: list[int]) -> list[RequestOutput]:
+        """A verifying step's outcome: each sampled sequence keeps its accepted proposals plus the
+        target's next token. The K/V written at rejected positions stay in the cache but are no longer
+        counted (``num_computed_tokens`` steps back), so the next step overwrites them; pages left empty
+        are freed, and pages are published to the prefix cache only up to accepted tokens."""
+        tokens, accepted = np.asarray(result.tokens), np.asarray(result.num_accepted)
+        t0 = time.perf_counter()
+        want_lp = any(batch.seqs[i].params.logprobs is not None for i in sampled)
+        logprobs = np.asarray(result.logprobs) if want_lp else None
+        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
+        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        outputs, c = [], self.counters
+        for i in sampled:
+            seq = batch.seqs[i]
+            proposed, a = len(seq.draft_token_ids), int(accepted[i])
+            seq.draft_token_ids = []
+            seq.pending -= 1
+            seq.num_computed_tokens -= proposed - a
+            if proposed:
+                c["spec_verified"] += 1
+                c["spec_proposed"] += proposed
+                c["spec_accepted"] += a
+            new = tokens[i, :a + 1].tolist()
+            tops = [None] * len(new)
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                tops = [{t: float(logprobs[i, j])} for j, t in enumerate(new)]
+                if n and top_ids is not None:
+                    for j, top in enumerate(tops):
+                        top.update(zip(top_ids[i, j, :n].tolist(), top_lps[i, j, :n].tolist()))
+            outputs.append(self._append_tokens(seq, new, tops))
+            if seq.status is not Status.FINISHED:
+                keep = self.blocks.pages_needed(seq.num_tokens)
+                self.blocks.free_pages(seq.page_table[keep:])
+                del seq.page_table[keep:]
+                self._commit(seq)
+        self.counters["host_time"] += time.perf_counter() - t0
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], tops: list, complete: bool = False) -> RequestOutput:
+        """Append a step's new tokens (one, or several from a verifying step) up to the first that ends
+        the request; one output for them all. ``complete``: the last token completes the request's
+        structured output."""
         p = seq.params
         tr = self._trackers[seq.request_id]
         stop_cut = False
-        self.counters["generation_tokens"] += 1
-        if (token in self.model_config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        else:
+        for j, (token, top) in enumerate(zip(tokens, tops)):
+            self.counters["generation_tokens"] += 1
+            if (token in self.model_config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                seq.finish_reason = "stop"
+                break
             seq.output_token_ids.append(token)
             if top is not None:
                 seq.output_top_logprobs.append(top)
@@ -346,11 +461,14 @@ class LLMEngine:
             if p.stop and self._find_stop(tr, p.stop):
                 seq.finish_reason = "stop"
                 stop_cut = True  # the text ends before the stop string: nothing left to flush
-            elif complete:
+                break
+            if complete and j == len(tokens) - 1:
                 seq.finish_reason = "stop"
-            elif len(seq.output_token_ids) >= p.max_tokens or (
+                break
+            if len(seq.output_token_ids) >= p.max_tokens or (
                     len(seq.prompt_token_ids) + len(seq.output_token_ids) >= self.max_model_len):
                 seq.finish_reason = "length"
+                break
         finished = seq.finish_reason is not None
         if finished and tr.detok is not None and not stop_cut:
             tr.text += tr.detok.flush()  # a character cut off by the end of generation
@@ -386,7 +504,10 @@ class LLMEngine:
         """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds.
         ``structured``: also what steps with constrained requests run (else compiled on first use)."""
         t0 = time.perf_counter()
-        self.runner.warmup(shapes, greedy_only, structured)
+        self.runner.warmup(shapes, greedy_only, structured,
+                           self.config.num_speculative_tokens if self.proposer is not None else 0)
+        if isinstance(self.proposer, DraftProposer):  # proposals are greedy
+            self.proposer.engine.warmup(greedy_only=True)
         return time.perf_counter() - t0
 
     @property
@@ -408,4 +529,9 @@ class LLMEngine:
             computed_prompt_tokens=c["computed_prompt_tokens"], steps=c["steps"],
             tokens_per_step=c["step_tokens"] / max(1, c["steps"]),
             host_time_per_step=c["host_time"] / max(1, c["steps"]),
+            spec_steps=c["spec_steps"], spec_proposed_tokens=c["spec_proposed"],
+            spec_accepted_tokens=c["spec_accepted"],
+            spec_acceptance_rate=c["spec_accepted"] / max(1, c["spec_proposed"]),
+            # tokens a sequence gained per verification of its proposals (1 without speculation)
+            spec_mean_accepted_length=(c["spec_accepted"] + c["spec_verified"]) / max(1, c["spec_verified"]),
         )

@@ -32,7 +32,7 @@ from jaxinfer.models.decoder import forward
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv_layers
-from jaxinfer.sampling import SampleResult, SamplingBatch, sample
+from jaxinfer.sampling import SampleResult, SamplingBatch, VerifyResult, sample, verify
 
 log = logging.getLogger(__name__)
 _PENALTY_SLOTS = 16  # the smallest bucket of a step's (row, token, count) penalty triples
@@ -190,7 +190,11 @@ class ModelRunner:
                  tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
                  num_logprobs, penalties)
         logits, cache = self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
-        result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
+        kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
+        if sb.proposals is not None:  # speculative: logits at every proposed position; read back before the next
+            s = sb.proposals.shape[0]
+            return verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw), cache, prev_tokens
+        result = sample(logits, sb, **kw)
         return result, cache, _as_last_tokens(result, prev_tokens)
 
     def _forward_tokens(self, weights, cache, prev_tokens, tokens, positions, md):
@@ -211,9 +215,14 @@ class ModelRunner:
                         bitmask=bitmask)
         return result, _as_last_tokens(result, prev_tokens)
 
-    def prepare(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch, num_speculative: int = 0):
         """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
-        sequences: this runs every step and must stay small next to the device step)."""
+        sequences: this runs every step and must stay small next to the device step).
+
+        ``num_speculative > 0``: a verifying step; each sequence's proposals (``draft_token_ids``, at
+        most ``num_speculative``) follow its last token and logits are taken at all of those positions,
+        ``num_speculative + 1`` rows per sequence (a fixed count, so speculation adds one compiled
+        variant per bucket, not one per proposal length)."""
         ps = self.cache.page_size
         seqs, counts = batch.seqs, np.asarray(batch.num_tokens, np.int32)
         n_seqs, n_real = len(seqs), int(counts.sum())
@@ -232,11 +241,11 @@ class ModelRunner:
         tokens = np.zeros(t_pad, np.int32)
         ids = []
         for s, st, n in zip(seqs, starts.tolist(), counts.tolist()):
-            known = min(st + n, s.num_tokens - s.pending)
-            ids += s.tokens_between(st, known)
-            if known < st + n:  # the input is the token the last step sampled, still on device
-                assert s.pending == 1 and known + 1 == st + n and s.pending_step == self.num_steps - 1
-                ids.append(-1 - s.pending_row)
+            fed = s.step_inputs(st, n)
+            if len(fed) < n:  # the input is the token the last step sampled, still on device
+                assert s.pending == 1 and len(fed) + 1 == n and s.pending_step == self.num_steps - 1
+                fed.append(-1 - s.pending_row)
+            ids += fed
         tokens[:n_real] = ids
         positions = np.zeros(t_pad, np.int32)
         positions[:n_real] = pos
@@ -248,6 +257,20 @@ class ModelRunner:
         query_start[:n_seqs] = offsets[:-1]
         logits_idx = np.zeros(s_pad, np.int32)
         logits_idx[:n_seqs] = offsets[1:] - 1
+        proposals = None
+        if num_speculative:
+            # Rows j = 0..K of sequence i: its last known token's position, then each proposal's
+            # (clamped to its last fed token where it proposed fewer; those rows go unused).
+            k1 = num_speculative + 1
+            num_props = np.fromiter((len(s.draft_token_ids) for s in seqs), np.int32, n_seqs)
+            first = offsets[1:] - 1 - num_props
+            rows = np.minimum(first[:, None] + np.arange(k1, dtype=np.int32)[None], (offsets[1:] - 1)[:, None])
+            logits_idx = np.zeros((s_pad, k1), np.int32)
+            logits_idx[:n_seqs] = rows
+            logits_idx = logits_idx.reshape(-1)
+            proposals = np.full((s_pad, num_speculative), -1, np.int32)
+            for i, s in enumerate(seqs):
+                proposals[i, :len(s.draft_token_ids)] = s.draft_token_ids
         md = BatchMetadata(slots, page_table, seq_lens, query_start, logits_idx,
                            decode_only=n_real == n_seqs and s_pad <= self._decode_max_seqs)
 
@@ -276,7 +299,7 @@ class ModelRunner:
             presence_penalty=column([p.presence_penalty for p in params], np.float32),
             frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
             penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
-            penalty_counts=np.asarray(pen_counts + pad, np.float32))
+            penalty_counts=np.asarray(pen_counts + pad, np.float32), proposals=proposals)
         flags = dict(greedy_only=all(p.temperature == 0 for p in params),
                      num_logprobs=self.max_logprobs if any(p.logprobs is not None for p in params) else None,
                      penalties=bool(pen_rows))
@@ -315,9 +338,10 @@ class ModelRunner:
             jax.clear_caches()  # JAX's compilation caches hold a reference to every executable
         return exe
 
-    def run(self, batch: ScheduledBatch) -> SampleResult:
-        """Dispatch one step; the result stays on device until the caller reads it."""
-        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch), feeds_next=True)
+    def run(self, batch: ScheduledBatch, num_speculative: int = 0) -> SampleResult | VerifyResult:
+        """Dispatch one step; the result stays on device until the caller reads it. A verifying step
+        (``num_speculative``) leaves ``last_tokens`` as they were: nothing is pending after it."""
+        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch, num_speculative), feeds_next=True)
         self.num_steps += 1
         return multihost.local_view(result) if self._multihost else result
 
@@ -367,12 +391,14 @@ class ModelRunner:
         variants = (True,) if greedy_only else (True, False)
         return [(x, d, g) for x, d in steps for g in variants]
 
-    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> None:
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
+               num_speculative: int = 0) -> None:
         """Compile every step of ``warmup_plan`` ahead of time, without running any; ``structured``:
-        also the forward and sampling halves that steps with constrained sequences run as."""
+        also the forward and sampling halves that steps with constrained sequences run as;
+        ``num_speculative``: also each step's verifying variant (``prepare(batch, num_speculative)``)."""
         plan = self.warmup_plan(shapes, greedy_only)
-        count = len(plan) + (len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan})
-                             if structured else 0)
+        count = len(plan) * (2 if num_speculative else 1) + (
+            len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan}) if structured else 0)
         if count > self.max_executables:
             raise ValueError(f"warm-up would compile {count} steps but max_executables is "
                              f"{self.max_executables}: raise it or use fewer buckets")
@@ -385,6 +411,11 @@ class ModelRunner:
                                                                        penalties=False)
             inputs, packing = pack_inputs((tokens, tokens, md, sb))
             self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
+            if num_speculative:
+                md_v = dataclasses.replace(md, logits_indices=np.zeros(s * (num_speculative + 1), np.int32))
+                sb_v = dataclasses.replace(sb, proposals=np.full((s, num_speculative), -1, np.int32))
+                inputs, packing = pack_inputs((tokens, tokens, md_v, sb_v))
+                self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
             if structured:
                 inputs, packing = pack_inputs((tokens, tokens, md))
                 forward = self._compiled(self._forward, (self.weights, self.cache, self.last_tokens, inputs), packing,

@@ -20,7 +20,8 @@ from jaxinfer.sampling_params import SamplingParams
 
 _SUMMED = ("running", "waiting", "preempted", "kv_pages_used", "kv_pages_total", "prefix_cache_pages",
            "prefix_cache_queries", "prefix_cache_hits", "preemptions", "compilations", "prompt_tokens",
-           "generation_tokens", "computed_prompt_tokens", "steps")
+           "generation_tokens", "computed_prompt_tokens", "steps", "spec_steps", "spec_proposed_tokens",
+           "spec_accepted_tokens")
 
 
 def create_engine(model: str, config: EngineConfig | None = None) -> LLMEngine | ReplicatedEngine:

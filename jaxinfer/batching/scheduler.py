@@ -75,21 +75,32 @@ class Scheduler:
         self.blocks.free_pages(seq.page_table)
         seq.page_table = []
         seq.committed_pages, seq.committed_key = 0, None
+        seq.draft_token_ids = []
         seq.status = Status.PREEMPTED
         self.num_preemptions += 1
         self.preempted.append(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_remaining, budget, self.config.prefill_chunk_size if seq.is_prefill else 1)
+        """Tokens ``seq`` feeds this step: a prefill chunk, or its last token and the proposals after it
+        (those that fit the budget)."""
+        if seq.is_prefill:
+            return min(seq.num_remaining, budget, self.config.prefill_chunk_size)
+        n = min(1 + len(seq.draft_token_ids), budget)
+        del seq.draft_token_ids[max(0, n - 1):]
+        return n
+
+    def _pages_short(self, seq: Sequence, n: int) -> bool:
+        return self.blocks.pages_needed(seq.num_computed_tokens + n) - len(seq.page_table) > self.blocks.num_free
 
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting or preempted sequence its pages; False if they don't fit."""
         if seq.swapped is not None:
-            need = self.blocks.pages_needed(seq.num_computed_tokens + 1)
+            # Room for every known token: one preempted mid-prefill resumes with a whole chunk.
+            need = self.blocks.pages_needed(seq.num_tokens)
             if need > self.blocks.num_free:
                 return False
             seq.page_table = []
-            self.blocks.grow(seq.page_table, seq.num_computed_tokens + 1)
+            self.blocks.grow(seq.page_table, seq.num_tokens)
             self.swap_in(seq.swapped, seq.page_table)
             seq.swapped = None
             return True
@@ -116,7 +127,10 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(seq, budget)
-            while self.blocks.pages_needed(seq.num_computed_tokens + n) - len(seq.page_table) > self.blocks.num_free:
+            if seq.draft_token_ids and self._pages_short(seq, n):
+                seq.draft_token_ids = []  # proposals never preempt anyone
+                n = 1
+            while self._pages_short(seq, n):
                 victim = self.running[-1]
                 batch.pop(id(victim), None)
                 self._preempt(victim)

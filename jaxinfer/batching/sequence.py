@@ -42,7 +42,11 @@ class Sequence:
     pending_row: int = -1
     pending_step: int = -1
     final_pending: bool = False  # the newest pending token ends the request (max_tokens / length)
-
+    # Speculation: tokens proposed to follow the last known one, fed after it in the next step and
+    # verified there. A step then advances the sequence by a variable number of tokens (see
+    # ``LLMEngine._read_verified``), so speculating steps have nothing pending: their results are read
+    # before the next step is scheduled.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,6 +58,16 @@ class Sequence:
         if start >= lp:
             return self.output_token_ids[start - lp:end - lp]
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - lp)]
+
+    def step_inputs(self, start: int, n: int) -> list[int]:
+        """Token ids fed at positions ``start:start + n``: known tokens, then the proposals; a token
+        still pending on device is not among them (the caller feeds it from there)."""
+        known = min(start + n, self.num_tokens - self.pending)
+        ids = self.tokens_between(start, known)
+        if self.draft_token_ids and known < start + n:
+            assert not self.pending and known == self.num_tokens
+            ids += self.draft_token_ids[:start + n - known]
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -59,11 +59,18 @@ class _EngineCollector:
                                 "Fraction of token slots in held pages that hold a token.", value=s["kv_utilization"])
         yield GaugeMetricFamily("jaxinfer_prefix_cache_hit_rate", "Prefix-cache page hits / lookups since start.",
                                 value=s["prefix_cache_hits"] / max(1, s["prefix_cache_queries"]))
+        yield GaugeMetricFamily("jaxinfer_spec_acceptance_rate", "Accepted / proposed speculative tokens since start.",
+                                value=s["spec_acceptance_rate"])
+        yield GaugeMetricFamily("jaxinfer_spec_mean_accepted_length",
+                                "Tokens a sequence gained per verification of its proposals, since start.",
+                                value=s["spec_mean_accepted_length"])
         for name, key, help_ in (
                 ("prefix_cache_queries", "prefix_cache_queries", "Pages looked up in the prefix cache."),
                 ("prefix_cache_hits", "prefix_cache_hits", "Pages found in the prefix cache."),
                 ("preemptions", "preemptions", "Sequences preempted for lack of KV pages."),
                 ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted."),
                 ("generation_tokens", "generation_tokens", "Tokens generated."),
-                ("compilations", "compilations", "Step shapes compiled.")):
+                ("compilations", "compilations", "Step shapes compiled."),
+                ("spec_proposed_tokens", "spec_proposed_tokens", "Tokens proposed by speculative decoding."),
+                ("spec_accepted_tokens", "spec_accepted_tokens", "Proposed tokens the target accepted.")):
             yield CounterMetricFamily(f"jaxinfer_{name}", help_, value=s[key])

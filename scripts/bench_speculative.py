@@ -1,0 +1,248 @@
+"""Speculative decoding, measured side by side with plain decoding in one run; prints a table, writes JSON.
+
+Workloads (``--workload``):
+  cpu     the embedded model at batch 1, greedy, on the input-grounded prompts of
+          tests/data/spec_prompts.json: decode tok/s without and with n-gram proposals (k =
+          ``--k``), token identity checked, acceptance rate and mean accepted length.
+  verify  one step alone at each ``--batch_sizes``: a plain decode step against a verify step
+          (last token + k proposals per sequence). Memory-bound decode reads the weights once either way.
+  replay  end-to-end tok/s at each ``--batch_sizes`` (random prompts): plain greedy against speculation
+          by a replay proposer that proposes what the plain run produced (acceptance ~1, proposing free):
+          the machinery's ceiling, and where speculation stops paying as the batch grows.
+  draft   the ``draft`` proposer (``--draft_model``) end to end at each ``--batch_sizes``: time spent
+          proposing per proposed token against the target's step time (random weights make its
+          acceptance meaningless; the cost is what this measures).
+
+    python scripts/bench_speculative.py --workload cpu --out docs/results/cpu-speculative.json
+    python scripts/bench_speculative.py --model llama3-8b --load_format dummy --workload verify,replay \\
+        --batch_sizes 1,64,256 --out $OUT/spec-llama3-8b.json
+    python scripts/bench_speculative.py --model llama3-8b --load_format dummy --workload draft \\
+        --draft_model llama3.2-1b --batch_sizes 1 --out $OUT/spec-draft.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+import model_flags  # scripts/ is on sys.path when run as a script
+
+flags.adopt_module_key_flags(model_flags)
+flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, draft.")
+flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.")
+flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
+flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
+flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
+flags.DEFINE_string("prompts", os.path.join(os.path.dirname(__file__), "..", "tests", "data", "spec_prompts.json"),
+                    "cpu: the input-grounded prompts.")
+flags.DEFINE_string("out", "results/speculative.json", "Where to write the JSON results.")
+F = flags.FLAGS
+log = logging.getLogger("bench_speculative")
+
+
+class ReplayProposer:
+    """Proposes the tokens a plain greedy run of the same prompt produced: acceptance ~1 at no cost.
+    Benchmark-only (it needs the answer)."""
+
+    def __init__(self, answers: dict[tuple, list[int]]):
+        self.answers = answers
+
+    def propose(self, seqs, limits):
+        return [self.answers[tuple(s.prompt_token_ids)][len(s.output_token_ids):len(s.output_token_ids) + k]
+                for s, k in zip(seqs, limits)]
+
+
+def make_llm(max_num_seqs: int, method: str = "ngram", **options):
+    from jaxinfer import LLM
+    budget = max(512, max_num_seqs * (F.k + 1))
+    return LLM(F.model, **model_flags.load_options(), speculative_method=method, num_speculative_tokens=F.k,
+               speculative_max_num_seqs=max_num_seqs, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+               enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
+
+
+def timed_run(llm, prompts, proposer) -> dict:
+    """All prompts at once, greedy; wall time, decode tok/s (after each request's first token) and tokens."""
+    from jaxinfer import SamplingParams
+    eng = llm.engine
+    eng.proposer = proposer
+    before = dict(eng.stats())
+    params = SamplingParams(max_tokens=F.max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}-{time.monotonic_ns()}", p, params)
+    first, last, out = {}, {}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            now = time.perf_counter()
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+            if o.finished:
+                out[o.request_id] = o.token_ids
+    wall = time.perf_counter() - t0
+    s = eng.stats()
+    tokens = [out[r] for r in sorted(out, key=lambda r: int(r[1:].split("-")[0]))]
+    decode_s = max(last.values()) - min(first.values())
+    proposed = s["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return dict(wall_s=wall, tok_s=sum(map(len, tokens)) / wall,
+                decode_tok_s=sum(len(t) - 1 for t in tokens) / max(decode_s, 1e-9),
+                steps=s["steps"] - before["steps"], proposed=proposed, accepted=accepted,
+                acceptance_rate=accepted / max(1, proposed), tokens=tokens)
+
+
+def cpu(results):
+    from jaxinfer.batching.speculative import NgramProposer
+    data = json.load(open(F.prompts))
+    llm = make_llm(1)
+    prompts = [llm.engine.encode(p["prompt"]) for p in data["prompts"]]
+    ngram = NgramProposer(llm.engine.config.ngram_min, llm.engine.config.ngram_max)
+    timed_run(llm, prompts[:1], None)  # compile both paths
+    timed_run(llm, prompts[:1], ngram)
+    rows = []
+    for p, meta in zip(prompts, data["prompts"]):
+        plain = timed_run(llm, [p], None)
+        spec = timed_run(llm, [p], ngram)
+        rows.append(dict(kind=meta["kind"], prompt_tokens=len(p), new_tokens=len(plain["tokens"][0]),
+                         identical=plain["tokens"] == spec["tokens"], plain_decode_tok_s=plain["decode_tok_s"],
+                         spec_decode_tok_s=spec["decode_tok_s"], speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
+                         acceptance_rate=spec["acceptance_rate"],
+                         spec_tokens_per_step=len(spec["tokens"][0]) / max(1, spec["steps"])))
+    plain_s = sum(r["new_tokens"] / r["plain_decode_tok_s"] for r in rows)
+    spec_s = sum(r["new_tokens"] / r["spec_decode_tok_s"] for r in rows)
+    total = sum(r["new_tokens"] for r in rows)
+    results["cpu"] = dict(rows=rows, plain_decode_tok_s=total / plain_s, spec_decode_tok_s=total / spec_s,
+                          speedup=plain_s / spec_s, all_identical=all(r["identical"] for r in rows),
+                          acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])), k=F.k)
+
+
+def verify_cost(results):
+    """A plain decode step and a verify step of k proposals per sequence, each alone on device."""
+    from ceilings import timeit
+    from jaxinfer import SamplingParams
+    from jaxinfer.batching.scheduler import ScheduledBatch
+    from jaxinfer.batching.sequence import Sequence
+    sizes = [int(b) for b in F.batch_sizes]
+    llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
+    runner, blocks, vocab = llm.engine.runner, llm.engine.blocks, llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in sizes:
+        seqs = []
+        for i in range(b):
+            seq = Sequence(f"probe{i}", rng.integers(10, vocab - 10, F.prompt_len).tolist(),
+                           SamplingParams(max_tokens=F.k + 1, temperature=0.0), seed=0)
+            seq.page_table, _ = blocks.allocate(seq.token_ids, F.prompt_len + F.k)
+            seq.num_computed_tokens = F.prompt_len - 1
+            seqs.append(seq)
+        times = {}
+        for name, k in (("decode", 0), ("verify", F.k)):
+            for s in seqs:
+                s.draft_token_ids = rng.integers(10, vocab - 10, k).tolist()
+            args = runner.prepare(ScheduledBatch(seqs, [1 + k] * b), k)
+
+            def step():
+                result, runner.cache, _ = runner.execute(*args)
+                return result.tokens
+            times[name] = timeit(step)
+        for s in seqs:
+            blocks.free_pages(s.page_table)
+        out[b] = dict(decode_ms=times["decode"] * 1e3, verify_ms=times["verify"] * 1e3,
+                      verify_over_decode=times["verify"] / times["decode"])
+    results["verify"] = dict(k=F.k, by_batch=out)
+    del llm
+
+
+def replay(results):
+    sizes = [int(b) for b in F.batch_sizes]
+    llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
+    vocab = llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(1)
+    out = {}
+    for b in sizes:
+        prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
+        timed_run(llm, prompts, None)  # compile the plain shapes
+        plain = timed_run(llm, prompts, None)
+        proposer = ReplayProposer({tuple(p): t for p, t in zip(prompts, plain["tokens"])})
+        timed_run(llm, prompts, proposer)  # compile the verify shapes
+        spec = timed_run(llm, prompts, proposer)
+        same = sum(a == c for a, c in zip(plain["tokens"], spec["tokens"]))
+        out[b] = dict(plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
+                      plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
+                      decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
+                      acceptance_rate=spec["acceptance_rate"], identical_requests=f"{same}/{b}")
+    results["replay"] = dict(k=F.k, by_batch=out)
+
+
+def draft(results):
+    sizes = [int(b) for b in F.batch_sizes]
+    llm = make_llm(max(sizes), "draft", speculative_model=F.draft_model,
+                   max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
+    proposer, vocab = llm.engine.proposer, llm.engine.model_config.vocab_size
+    spent = [0.0]
+
+    class Timed:
+        def propose(self, seqs, limits):
+            t = time.perf_counter()
+            out = proposer.propose(seqs, limits)
+            spent[0] += time.perf_counter() - t
+            return out
+    rng = np.random.default_rng(2)
+    out = {}
+    for b in sizes:
+        prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
+        timed_run(llm, prompts, None)
+        plain = timed_run(llm, prompts, None)
+        timed_run(llm, prompts, Timed())
+        spent[0] = 0.0
+        spec = timed_run(llm, prompts, Timed())
+        plain_step = plain["wall_s"] / plain["steps"]
+        per_token = spent[0] / max(1, spec["proposed"])
+        out[b] = dict(plain_tok_s=plain["tok_s"], draft_tok_s=spec["tok_s"], plain_step_ms=plain_step * 1e3,
+                      propose_ms_per_step=spent[0] / spec["steps"] * 1e3, propose_ms_per_token=per_token * 1e3,
+                      propose_token_over_target_step=per_token / plain_step, acceptance_rate=spec["acceptance_rate"])
+    results["draft"] = dict(k=F.k, draft_model=F.draft_model, by_batch=out)
+
+
+def print_table(results):
+    print(f"{'workload':<10} {'case':<22} {'plain':>10} {'spec':>10} {'ratio':>7} {'accept':>7}")
+    if "cpu" in results:
+        for r in results["cpu"]["rows"]:
+            print(f"{'cpu':<10} {r['kind']:<22} {r['plain_decode_tok_s']:>10.2f} {r['spec_decode_tok_s']:>10.2f} "
+                  f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}{'' if r['identical'] else '  DIFFERS'}")
+        c = results["cpu"]
+        print(f"{'cpu':<10} {'all (decode tok/s)':<22} {c['plain_decode_tok_s']:>10.2f} {c['spec_decode_tok_s']:>10.2f} "
+              f"{c['speedup']:>7.2f} {c['acceptance_rate']:>7.2f}")
+    for b, r in results.get("verify", {}).get("by_batch", {}).items():
+        print(f"{'verify':<10} {'batch ' + str(b) + ' (ms/step)':<22} {r['decode_ms']:>10.3f} {r['verify_ms']:>10.3f} "
+              f"{r['verify_over_decode']:>7.2f}")
+    for b, r in results.get("replay", {}).get("by_batch", {}).items():
+        print(f"{'replay':<10} {'batch ' + str(b) + ' (tok/s)':<22} {r['plain_tok_s']:>10.1f} {r['spec_tok_s']:>10.1f} "
+              f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}")
+    for b, r in results.get("draft", {}).get("by_batch", {}).items():
+        print(f"{'draft':<10} {'batch ' + str(b) + ' (ms)':<22} {r['plain_step_ms']:>10.3f} "
+              f"{r['propose_ms_per_token']:>10.3f} {r['propose_token_over_target_step']:>7.2f} "
+              f"{r['acceptance_rate']:>7.2f}   (target step, draft per proposed token)")
+
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=logging.INFO)
+    import jax
+    results = dict(model=F.model, backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+                   jax=jax.__version__, workloads=F.workload)
+    for w in F.workload:
+        {"cpu": cpu, "verify": verify_cost, "replay": replay, "draft": draft}[w](results)
+        os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
+        with open(F.out, "w") as f:  # after each workload, so a run cut short keeps its figures
+            json.dump(results, f, indent=1, default=str)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    app.run(main)
