@@ -134,11 +134,11 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
     live: set[str] = set()
     # The loop's host time: its wall time less the waits for the device (inside step: its wall
     # time less the engine's own host_time) and for commands while idle. Comparable with offline's.
-    loop_host = 0.0
+    loop_host = loop_cpu = 0.0
     while True:
         # Block only when there is nothing to compute; otherwise take what has arrived and step.
         batches = [commands.recv()] if not engine.has_unfinished() else []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         while commands.poll():
             batches.append(commands.recv())
         changed = bool(batches)
@@ -181,5 +181,7 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
                 live.discard(step.request_ids[i])
             stats = engine.stats()
             stats["loop_host_time_per_step"] = loop_host / max(1, stats["steps"])
+            stats["loop_cpu_time_per_step"] = loop_cpu / max(1, stats["steps"])
             outputs.send(("step", step, stats))
         loop_host += time.perf_counter() - t0
+        loop_cpu += time.thread_time() - c0
