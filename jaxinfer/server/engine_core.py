@@ -132,9 +132,10 @@ class _Outbox:
 
 def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
     live: set[str] = set()
-    # The loop's host time: its wall time less the waits for the device (inside step: its wall
-    # time less the engine's own host_time) and for commands while idle. Comparable with offline's.
-    loop_host = loop_cpu = 0.0
+    # The loop's host time per step: the engine's own (step's wall time less the device wait) plus
+    # the loop's work around step() (commands, the step message; not the idle wait for commands);
+    # and its thread's CPU time, step included. Comparable with the offline loop's.
+    around = loop_cpu = 0.0
     while True:
         # Block only when there is nothing to compute; otherwise take what has arrived and step.
         batches = [commands.recv()] if not engine.has_unfinished() else []
@@ -164,9 +165,9 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
         outs = []
         if engine.has_unfinished():
             try:
-                h0, s0 = engine.counters["host_time"], time.perf_counter()
+                s0 = time.perf_counter()
                 outs = engine.step()
-                loop_host -= (time.perf_counter() - s0) - (engine.counters["host_time"] - h0)  # device wait
+                around -= time.perf_counter() - s0
             except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 for rid in live:
@@ -180,8 +181,9 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
             for i in step.finished:
                 live.discard(step.request_ids[i])
             stats = engine.stats()
-            stats["loop_host_time_per_step"] = loop_host / max(1, stats["steps"])
-            stats["loop_cpu_time_per_step"] = loop_cpu / max(1, stats["steps"])
+            steps = max(1, stats["steps"])
+            stats["loop_host_time_per_step"] = (around + time.perf_counter() - t0) / steps + stats["host_time_per_step"]
+            stats["loop_cpu_time_per_step"] = (loop_cpu + time.thread_time() - c0) / steps
             outputs.send(("step", step, stats))
-        loop_host += time.perf_counter() - t0
+        around += time.perf_counter() - t0
         loop_cpu += time.thread_time() - c0
