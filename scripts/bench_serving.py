@@ -258,13 +258,16 @@ class LaunchedServer:
                f"--max_waiting={max_waiting}", *engine_flags.command_line(),
                *(["--warmup_structured"] if F.response_format else [])]
         print("launching:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
+        t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + F.launch_timeout
+        deadline = t0 + F.launch_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.startup_s = time.monotonic() - t0  # load + compile (or cache reads) until healthy
+                    print(f"server healthy after {self.startup_s:.1f}s", flush=True)
                     return
             except httpx.HTTPError:
                 pass
@@ -296,11 +299,14 @@ def run_offline(prompts: list, concurrency: int) -> dict:
 
     from jaxinfer import LLM, SamplingParams, StructuredOutputs
 
+    t0 = time.perf_counter()
     llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
     schema = constraint_schema()
     structured = None if schema is None else StructuredOutputs(json=schema) if schema else \
         StructuredOutputs(json_object=True)
     warmup = llm.warmup(structured=structured is not None)
+    startup = time.perf_counter() - t0
+    print(f"offline engine ready after {startup:.1f}s (compiling {warmup:.1f}s)", flush=True)
     engine = llm.engine
     params = SamplingParams(max_tokens=F.max_tokens, temperature=F.temperature, ignore_eos=F.ignore_eos,
                             structured=structured)
@@ -329,7 +335,7 @@ def run_offline(prompts: list, concurrency: int) -> dict:
                     tpot.append((now - times[1]) / (n - 1))
     duration = time.perf_counter() - t0
     d = jax.devices()[0]
-    return dict(duration_s=duration, output_token_throughput=out_tokens / duration, warmup_s=warmup,
+    return dict(duration_s=duration, output_token_throughput=out_tokens / duration, warmup_s=warmup, startup_s=startup,
                 device=f"{d.device_kind} ({jax.default_backend()}, jax {jax.__version__})",
                 **percentiles({"ttft": ttft, "tpot": tpot, "e2e": e2e}))
 
@@ -371,6 +377,8 @@ def main(argv):
                                                  *engine_flags.NAMES)}
     summary["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
     summary["server_output_tok_s"] = summary["output_token_throughput"]
+    if server:
+        summary["server_startup_s"] = server.startup_s
     print(f"completed {summary['completed']}/{len(results)} in {duration:.1f}s: "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s")
     _print_row("server", summary)

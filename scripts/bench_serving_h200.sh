@@ -3,7 +3,10 @@
 # the same requests offline with the same engine options, adding a run to $OUT/serving-h200.json.
 #   bash scripts/bench_serving_h200.sh short      # ~10-token prompts x 256 tokens, 1000 requests, concurrency 256
 #   bash scripts/bench_serving_h200.sh long       # 512-token prompts x 256 tokens, 1000 requests, concurrency 256
-#   bash scripts/bench_serving_h200.sh batch1     # 64 sequential requests x 256 tokens, latency buckets
+#   bash scripts/bench_serving_h200.sh batch1     # 16 sequential requests x 256 tokens, latency buckets
+# Each prints the server's and the offline engine's start-up (load + compile) and records them in the JSON.
+# short and long share every compiled shape: run long after short on the same machine (same
+# /tmp/xla-cache) and both of its engines read their executables from the cache.
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +23,6 @@ case "${1:?short, long or batch1}" in
   short)  $PY scripts/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --name short-x256 ;;
   long)   $PY scripts/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --input_len 512 --name in512-x256 ;;
   batch1) $PY scripts/bench_serving.py "${COMMON[@]}" --max_num_seqs 1 --max_num_batched_tokens 128 \
-            --token_buckets 1,128 --seq_buckets 1 --page_buckets 64 --num_prompts 64 --max_concurrency 1 --name batch1 ;;
+            --token_buckets 1,128 --seq_buckets 1 --page_buckets 64 --num_prompts 16 --max_concurrency 1 --name batch1 ;;
   *) echo "unknown workload $1" >&2; exit 2 ;;
 esac

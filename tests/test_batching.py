@@ -258,3 +258,34 @@ def test_step_inputs_travel_as_one_buffer():
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("prompt_len,buckets,want", [
+    (10, (8, 64), [1] * 7 + [1]),  # 17 tokens would run as 64 (27% full): the prompt gets what fits 8
+    (30, (8, 64), [1] * 7 + [30]),  # 37 of 64 is full enough: the whole prompt goes
+    (10, (), [1] * 7 + [10]),  # no buckets given: nothing is trimmed
+])
+def test_prefill_trimmed_to_the_smaller_bucket(prompt_len, buckets, want):
+    """A few prefill tokens on top of a full decode batch must not push a step into a bucket that is
+    mostly padding; decodes are never trimmed, and the trimmed prompt goes on in the next step."""
+    from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
+    from jaxinfer.batching.sequence import Sequence
+    from jaxinfer.paged.block_manager import BlockManager
+
+    sched = Scheduler(SchedulerConfig(8, 64, 64, token_buckets=buckets), BlockManager(64, 16, False))
+    for i in range(7):
+        sched.add(Sequence(f"d{i}", [5], greedy(), 0, arrival_index=i))
+    first = sched.schedule()
+    for s, n in zip(first.seqs, first.num_tokens):  # as if dispatched: each now decodes
+        s.num_computed_tokens += n
+        s.pending += 1
+    prompt = Sequence("p", list(range(3, 3 + prompt_len)), greedy(), 0, arrival_index=7)
+    sched.add(prompt)
+    batch = sched.schedule()
+    assert batch.num_tokens == want and batch.seqs[-1] is prompt
+    prompt.num_computed_tokens += batch.num_tokens[-1]
+    for s in batch.seqs[:-1]:
+        s.num_computed_tokens += 1
+        s.pending += 1
+    if want[-1] < prompt_len:
+        assert sched.schedule().num_tokens[-1] == 1  # still trimmed while the decodes fill bucket 8

@@ -164,7 +164,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,
-                            config.scheduling_policy, config.preemption_mode),
+                            config.scheduling_policy, config.preemption_mode, buckets.tokens),
             self.blocks, swap_out=self.runner.swap_out, swap_in=self.runner.swap_in)
         self.requests: dict[str, Sequence] = {}
         self._trackers: dict[str, _Tracker] = {}

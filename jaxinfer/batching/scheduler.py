@@ -5,10 +5,18 @@ preempted and waiting ones are admitted while sequence slots, the token budget a
 Prefill chunks and decodes share one step (in-flight batching). When pages run short the
 lowest-priority, latest-arrived running request is preempted, by recompute (pages dropped, prompt
 and generated tokens re-prefilled later) or swap (pages copied to host memory and restored later).
+
+Steps run padded to a token bucket, so a few prefill tokens on top of a full decode batch would make
+a step cost a bucket several times larger (255 decodes + a 10-token prompt: 265 tokens run as 1024).
+A step whose padded bucket would be less than ``min_bucket_fill`` full gives its prefill chunks only
+what fits the next smaller bucket; the rest follows in later steps (chunked prefill is exact). This
+matters most when requests arrive one by one, as they do at a server: measured on CPU, a server run
+of 292 steps had 52 in the large bucket where the same requests added in waves had 8.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable
 
@@ -23,6 +31,8 @@ class SchedulerConfig:
     prefill_chunk_size: int  # most prompt tokens one request gets in one step
     policy: str = "fcfs"  # or "priority": lower value first, ties first-come first-served
     preemption_mode: str = "recompute"  # or "swap"
+    token_buckets: tuple[int, ...] = ()  # the step's padded token counts; () = no bucket-aware trimming
+    min_bucket_fill: float = 0.5
 
 
 @dataclasses.dataclass
@@ -161,8 +171,33 @@ class Scheduler:
                 batch[id(seq)] = (seq, n)
                 budget -= n
 
+        self._fit_bucket(batch)
         seqs = [s for s, _ in batch.values()]
         return ScheduledBatch(seqs, [n for _, n in batch.values()])
+
+    def _fit_bucket(self, batch: dict) -> None:
+        """Trim prefill chunks, newest first, down to the largest bucket below the step's tokens when
+        the bucket the step needs would be mostly padding (module docstring). Decodes are never
+        trimmed; a trimmed-away request stays running (its pages stay allocated) and goes next step."""
+        buckets, total = self.config.token_buckets, sum(n for _, n in batch.values())
+        if not buckets or total <= buckets[0] or total > buckets[-1]:
+            return
+        i = bisect.bisect_left(buckets, total)
+        if buckets[i] == total or total >= self.config.min_bucket_fill * buckets[i]:
+            return
+        excess = total - buckets[i - 1]
+        for key in reversed(list(batch)):
+            seq, n = batch[key]
+            if not seq.is_prefill:
+                continue
+            cut = min(n, excess)
+            if cut == n:
+                del batch[key]
+            else:
+                batch[key] = (seq, n - cut)
+            excess -= cut
+            if not excess:
+                return
 
     def _preempt_for(self, seq: Sequence, batch: dict) -> bool:
         """Priority policy: preempt lower-priority running requests until ``seq`` has a slot and pages."""

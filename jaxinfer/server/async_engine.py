@@ -197,25 +197,26 @@ class AsyncEngine:
             self._process.join(timeout)
         return not self._process.is_alive()
 
-    def _on_step(self, deltas: list[engine_core.Delta], stats: dict) -> None:
+    def _on_step(self, step: engine_core.StepOutputs, stats: dict) -> None:
         now = time.monotonic()
-        for d in deltas:
-            entry = self._live.get(d.request_id)
+        for rid, text, token_ids, finish_reason, num_cached, logprobs in step.rows():
+            entry = self._live.get(rid)
             if entry is None:
                 continue  # released (client gone) while this step ran
             c, sub = entry
             if c.first_token is None:
                 c.first_token = now
-            c.text += d.text
-            c.token_ids += d.token_ids
-            if d.logprobs is not None:
-                c.logprobs += d.logprobs
-            c.num_cached_tokens = d.num_cached_tokens
-            if d.finish_reason is not None:
-                c.finish_reason = d.finish_reason
-                del self._live[d.request_id]
+            c.text += text
+            c.token_ids += token_ids
+            if logprobs is not None:
+                c.logprobs += logprobs
+            if num_cached is not None:
+                c.num_cached_tokens = num_cached
+            if finish_reason is not None:
+                c.finish_reason = finish_reason
+                del self._live[rid]
                 self.metrics.observe(c.arrival, c.first_token, now, len(c.token_ids))
-            sub._update(d.request_id)
+            sub._update(rid)
         self._stats = stats
 
     def _on_error(self, rid: str | None, error: APIError) -> None:
