@@ -104,7 +104,7 @@ def test_logits_match_transformers(family_dir):
     family, path, model = family_dir
     tokens = np.random.default_rng(1).integers(3, VOCAB, 40).tolist()  # longer than every sliding window
     ref = hf_logits(model, tokens)
-    for loop in ("scan", "unroll"):
+    for loop in ("scan", "unroll", "indexed"):
         config, weights = load_model(str(path), layer_loop=loop)
         assert config.architecture == family
         err = rel_err(all_position_logits(config, weights, tokens), ref)

@@ -17,7 +17,7 @@ _CHOICES = {
     "scheduling_policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute", "swap"),
     "attention_backend": BACKENDS,
-    "layer_loop": ("auto", "scan", "unroll"),
+    "layer_loop": ("auto", "scan", "unroll", "indexed"),
 }
 
 
@@ -40,8 +40,10 @@ class EngineConfig:
       memory mappings compiled code holds, so a long-running process meeting many shapes cannot
       exhaust ``vm.max_map_count``. Warm-up refuses to plan more than this.
     - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
-    - ``layer_loop="auto"``: unrolled on GPU (measured faster), scanned elsewhere: on CPU an unrolled
-      SmolLM2 step compiles in ~10 s against ~1.5 s, though its batch-1 step ran ~35% faster.
+    - ``layer_loop="auto"``: unrolled on GPU (measured faster), "indexed" on CPU (one loop body whose
+      matmuls read each layer's weights in place: the batch-1 SmolLM2 step ran as fast as unrolled,
+      ~1.5x the scan, and compiles ~1.1x the scan against ~5x for unrolled; docs/benchmarks.md),
+      scanned over a mesh.
     - ``quantization="auto"``: on accelerators a GGUF file runs in its own blocks unless ``dtype``
       is given (then it is dequantized to that dtype at load); on CPU, and for other sources, full
       precision (``"gguf"`` asks for the blocks anywhere). ``"int8"``,

@@ -105,10 +105,11 @@ class LLMEngine:
             compilation_cache.reset_cache()
         backend = jax.default_backend()
         dtype = config.dtype if config.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
-        layer_loop = config.layer_loop if config.layer_loop != "auto" else ("unroll" if backend == "gpu" else "scan")
         self.source = resolve_model(model)
         self.mesh = sharding.replica_mesh(load_config(self.source), config.tensor_parallel, config.data_parallel,
                                           replica)
+        layer_loop = config.layer_loop if config.layer_loop != "auto" else (
+            "unroll" if backend == "gpu" else "scan" if self.mesh is not None else "indexed")
         if multihost.active() and (config.data_parallel > 1 or config.preemption_mode == "swap"):
             raise ValueError("over several processes, data_parallel must be 1 and preemption_mode 'recompute' "
                              "(replicas and swapped pages stay within one process)")

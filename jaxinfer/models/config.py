@@ -63,8 +63,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # How the layer loop is compiled: "scan" (stacked weights, compile time flat in depth) or
-    # "unroll" (per-layer weights; faster on GPU where XLA copies a scanned layer's weight slice).
+    # How the layer loop is compiled: "scan" (stacked weights, compile time flat in depth),
+    # "unroll" (per-layer weights; faster on GPU where XLA copies a scanned layer's weight slice) or
+    # "indexed" (per-layer weights, one loop body: see ``decoder.forward``; the CPU default).
     layer_loop: str = "scan"
     # The family (a key of ``families.FAMILIES``): its checkpoint names and config parsing.
     architecture: str = "llama"
@@ -91,8 +92,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.layer_loop not in ("scan", "unroll"):
-            raise ValueError(f"layer_loop must be 'scan' or 'unroll', got {self.layer_loop!r}")
+        if self.layer_loop not in ("scan", "unroll", "indexed"):
+            raise ValueError(f"layer_loop must be 'scan', 'unroll' or 'indexed', got {self.layer_loop!r}")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; "
                              f"head_dim {self.head_dim} needs {self.head_dim // 2}")

@@ -7,8 +7,8 @@ scaled embeddings, soft caps and interleaved sliding windows (Gemma 2/3), fused 
 are static, each compiled step contains only the family's own work: Llama's step is unchanged.
 
 Per-layer differences (Gemma's sliding windows and Gemma 3's local RoPE base) are static Python
-values in the unrolled loop; in the scanned loop they are scanned over with the weights, so no
-layer loses its own window.
+values in the unrolled loop; in the scanned and indexed loops they are scanned over with the
+weights, so no layer loses its own window.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import Ops, embed, layer_rope_frequencies, linear, rms_norm, rms_scale, rope_qkv
+from jaxinfer.models.layers import LayerChoice, Ops, embed, layer_rope_frequencies, linear, rms_norm, rms_scale, rope_qkv
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
 # The window a global layer passes when the scanned loop's windows are traced: longer than any context.
 GLOBAL_WINDOW = 1 << 30
 _OPTIONAL_ATTENTION_WEIGHTS = ("qkv_bias", "q_norm", "k_norm")
+# The matrices ``layer_loop="indexed"`` leaves in place (each used through ``linear`` only); a layer's
+# other weights (norm gains, biases, expert stacks) are stacked in the step and scanned over.
+_INDEXED_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "router", "shared_gate_up", "shared_down", "shared_gate")
 
 
 def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, positions, md: BatchMetadata,
@@ -72,13 +75,18 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     instead, ``(k, v)`` each ``[layers, T, kv_heads, head_dim]``, for the caller to write with
     ``kv_cache.write_kv_layers`` in a separate executable that donates the cache: when one
     executable both read the cache in an unrolled loop and wrote it, XLA:CPU copied the whole pool
-    to keep the reads' operand intact (SmolLM2 batch-1 step: ~90 -> ~57 ms, contended)."""
+    to keep the reads' operand intact (SmolLM2 batch-1 step: ~90 -> ~57 ms, contended).
+
+    The layer loop follows ``config.layer_loop`` (per-layer weights unroll unless it is
+    "indexed"): "indexed" scans over layer indices with the matrices left in their per-layer
+    buffers (``layers.LayerChoice``): XLA:CPU copied each scanned layer's weight slice, a copy of
+    every weight per step, which cost the scanned SmolLM2 batch-1 step ~1.5x its time."""
     x = embed(weights.embed, tokens, weights.final_norm.dtype)
     if config.embed_scale:
         x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
     freqs = layer_rope_frequencies(config)
     windows = [config.layer_window(i) for i in range(config.num_layers)]
-    if isinstance(weights.layers, list):
+    if isinstance(weights.layers, list) and config.layer_loop != "indexed":
         new = []
         for i, lw in enumerate(weights.layers):
             x, kv_cache, kv = _layer(config, ops, x, lw, i, kv_cache, positions, md, freqs[i], windows[i])
@@ -90,9 +98,24 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
         per_layer = (None if same_freqs else jnp.asarray(freqs),
                      None if same_windows else jnp.asarray([w or GLOBAL_WINDOW for w in windows], jnp.int32))
 
+        if isinstance(weights.layers, list):  # indexed: one loop body, each layer's matrices read in place
+            layers = weights.layers
+            chosen = [k for k in layers[0] if k in _INDEXED_WEIGHTS]
+            scanned = jax.tree.map(lambda *xs: jnp.stack(xs), *[{k: v for k, v in lw.items() if k not in chosen}
+                                                               for lw in layers])
+
+            def layer_weights(lw, i):
+                return dict(lw, **{k: LayerChoice(tuple(l[k] for l in layers), i) for k in chosen})
+        else:
+            scanned = weights.layers
+
+            def layer_weights(lw, i):
+                return lw
+
         def body(carry, xs):
             x, cache = carry
             lw, i, f, w = xs
+            lw = layer_weights(lw, i)
             f = freqs[0] if f is None else f
             w = windows[0] if w is None else w
             if ops.defer_kv_write:  # the cache is read-only in the loop: a constant, not a carry
@@ -103,7 +126,7 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
 
         carry = (x, None if ops.defer_kv_write else kv_cache)
         (x, cache), new_kv = jax.lax.scan(
-            body, carry, (weights.layers, jnp.arange(config.num_layers, dtype=jnp.int32), *per_layer))
+            body, carry, (scanned, jnp.arange(config.num_layers, dtype=jnp.int32), *per_layer))
         kv_cache = kv_cache if ops.defer_kv_write else cache
     x = x[md.logits_indices]
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)

@@ -36,7 +36,20 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 and jax.default_backend() != "cpu" else None
 
 
-def linear(x: jax.Array, w: jax.Array | QArray, out_dtype=None) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """One weight matrix of every layer (``weights``, per-layer arrays) and a traced layer ``index``:
+    what a layer of ``layer_loop="indexed"`` passes to ``linear`` instead of its own matrix.
+
+    ``linear`` picks the layer's matrix with ``lax.switch`` over one dot per layer, so each dot reads
+    its layer's buffer where it lies. A scan over stacked weights slices the layer out first, and
+    XLA:CPU materializes that slice: a copy of every weight per step (docs/benchmarks.md, issue 22)."""
+
+    weights: tuple
+    index: jax.Array
+
+
+def linear(x: jax.Array, w: jax.Array | QArray | LayerChoice, out_dtype=None) -> jax.Array:
     """``x [T, in]`` times ``w [out, in]`` transposed: the one matmul helper, for bf16/f32 weights and
     quantized ones (``jaxinfer.quant.qlinear``). Accumulates in float32; returns ``out_dtype``
     (default: x's).
@@ -48,6 +61,8 @@ def linear(x: jax.Array, w: jax.Array | QArray, out_dtype=None) -> jax.Array:
     slower that way, so it stays a dot. Otherwise a plain dot: the matmul units accumulate bf16 in
     float32 anyway, and a float32 result plus a cast measured 16% slower for the batch-1 GEMV."""
     out_dtype = out_dtype or x.dtype
+    if isinstance(w, LayerChoice):
+        return jax.lax.switch(w.index, [functools.partial(linear, w=wi, out_dtype=out_dtype) for wi in w.weights], x)
     if isinstance(w, QArray):
         return qlinear(x, w, out_dtype)
     w = w.astype(x.dtype)

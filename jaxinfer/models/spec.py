@@ -102,7 +102,8 @@ class Weights:
 
 
 def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
-    """Stack per-layer weights for ``layer_loop == "scan"``, or split stacked ones for ``"unroll"``."""
+    """Stack per-layer weights for ``layer_loop == "scan"``, or split stacked ones for ``"unroll"`` and
+    ``"indexed"``."""
     layers = weights.layers
     if config.layer_loop == "scan" and isinstance(layers, list):
         if len({jax.tree.structure(lw) for lw in layers}) > 1:
@@ -110,7 +111,7 @@ def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
             # such layers cannot be stacked, and the decoder runs the list unrolled.
             return weights
         layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    elif config.layer_loop == "unroll" and not isinstance(layers, list):
+    elif config.layer_loop in ("unroll", "indexed") and not isinstance(layers, list):
         layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.num_layers)]
     return dataclasses.replace(weights, layers=layers)
 
