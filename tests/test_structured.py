@@ -132,7 +132,8 @@ def test_preemption_keeps_matcher_state_exact(preemption_case, mode):
     """A pool too small for all the requests: constrained requests are preempted mid-output and
     must produce what each produces alone."""
     prompts, params, schemas, alone = preemption_case
-    small = LLM("smollm2-135m", **{**OPTS, "max_num_seqs": 4, "max_model_len": 128, "num_pages": 12,
+    # 65-token prompts take 5 pages each: two fill the 10 and either one's next page preempts the other
+    small = LLM("smollm2-135m", **{**OPTS, "max_num_seqs": 4, "max_model_len": 128, "num_pages": 10,
                                    "preemption_mode": mode})
     together = small.generate(prompts, params)
     assert small.engine.stats()["preemptions"] > 0, "the pool was meant to force preemption"
