@@ -21,6 +21,7 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
@@ -92,7 +93,8 @@ def main(argv):
     mc = llm.engine.model_config
     structured = StructuredOutputs(json=RECORDS) if F.constraint == "schema" else StructuredOutputs(json_object=True)
     prompts = [f"A JSON list of {TOPICS[i % len(TOPICS)]} (#{i}):" for i in range(F.num_prompts)]
-    results = dict(device=str(llm.engine.runner.cache.k.devices()), model=F.model, max_num_seqs=F.max_num_seqs,
+    results = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})",
+                   model=F.model, max_num_seqs=F.max_num_seqs,
                    num_prompts=F.num_prompts, output_len=F.output_len, constraint=F.constraint)
     results["constrained"], outs = run(llm, prompts, SamplingParams(
         max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured))
