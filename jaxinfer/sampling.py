@@ -124,15 +124,21 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, nu
     if not greedy_only:
         tokens = jnp.where(b.temperature == 0, tokens, _sample_random(adjusted, b))
     tokens = tokens.astype(jnp.int32)
+    return SampleResult(tokens, *_logprobs(logits, tokens, num_logprobs))
+
+
+def _logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int | None):
+    """``(token logprob [S], top ids [S, n], top logprobs [S, n])`` of the raw ``logits [S, V]``, as
+    vLLM/OpenAI report them; ``None`` for what was not asked (``num_logprobs`` None: nothing; 0: no top)."""
     if num_logprobs is None:
-        return SampleResult(tokens, None, None, None)
+        return None, None, None
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     token_lp = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     top_lp = top_ids = None
     if num_logprobs:
         top_lp, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
         top_ids = top_ids.astype(jnp.int32)
-    return SampleResult(tokens, token_lp, top_ids, top_lp)
+    return token_lp, top_ids, top_lp
 
 
 @dataclasses.dataclass
@@ -199,12 +205,6 @@ def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False,
         accept = jnp.where(greedy_row, accept, kept.reshape(s, k1))
         tokens = jnp.where(greedy_row, target, sampled)
     num_accepted = jnp.sum(jnp.cumprod(accept[:, :k].astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    if num_logprobs is None:
-        return VerifyResult(tokens, num_accepted, None, None, None)
-    logprobs_all = jax.nn.log_softmax(flat, axis=-1)
-    token_lp = jnp.take_along_axis(logprobs_all, tokens.reshape(-1, 1), axis=-1).reshape(s, k1)
-    top_lp = top_ids = None
-    if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
-        top_lp, top_ids = top_lp.reshape(s, k1, -1), top_ids.astype(jnp.int32).reshape(s, k1, -1)
-    return VerifyResult(tokens, num_accepted, token_lp, top_ids, top_lp)
+    per_position = _logprobs(flat, tokens.reshape(-1), num_logprobs)  # positions as rows, then [S, K + 1, ...]
+    return VerifyResult(tokens, num_accepted, *(None if x is None else x.reshape(s, k1, *x.shape[1:])
+                                                 for x in per_position))

@@ -380,10 +380,7 @@ class LLMEngine:
         """Turn a finished step's sampled tokens into outputs (blocks until the device has them)."""
         tokens = np.asarray(result.tokens)
         t0 = time.perf_counter()
-        want_lp = any(batch.seqs[i].params.logprobs is not None for i in sampled)
-        logprobs = np.asarray(result.logprobs) if want_lp else None
-        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
-        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
         # Constrained requests' matchers take their tokens; "complete": nothing but EOS may follow.
         complete = set() if not self._matchers else self._matchers.advance(
             [(batch.seqs[i].request_id, int(tokens[i])) for i in sampled if batch.seqs[i].status is not Status.FINISHED])
@@ -393,13 +390,9 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 continue  # finished or aborted after this step was dispatched
             seq.pending -= 1
-            top = None
-            if seq.params.logprobs is not None:
-                top = {int(tokens[i]): float(logprobs[i])}
-                if seq.params.logprobs and top_ids is not None:
-                    top.update(zip(top_ids[i, :seq.params.logprobs].tolist(),
-                                   top_lps[i, :seq.params.logprobs].tolist()))
-            outputs.append(self._append_tokens(seq, [int(tokens[i])], [top], seq.request_id in complete))
+            new = [int(tokens[i])]
+            tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i:i + 1])
+            outputs.append(self._append_tokens(seq, new, tops, seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
@@ -410,10 +403,7 @@ class LLMEngine:
         are freed, and pages are published to the prefix cache only up to accepted tokens."""
         tokens, accepted = np.asarray(result.tokens), np.asarray(result.num_accepted)
         t0 = time.perf_counter()
-        want_lp = any(batch.seqs[i].params.logprobs is not None for i in sampled)
-        logprobs = np.asarray(result.logprobs) if want_lp else None
-        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
-        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
         outputs, c = [], self.counters
         for i in sampled:
             seq = batch.seqs[i]
@@ -426,13 +416,7 @@ class LLMEngine:
                 c["spec_proposed"] += proposed
                 c["spec_accepted"] += a
             new = tokens[i, :a + 1].tolist()
-            tops = [None] * len(new)
-            if seq.params.logprobs is not None:
-                n = seq.params.logprobs
-                tops = [{t: float(logprobs[i, j])} for j, t in enumerate(new)]
-                if n and top_ids is not None:
-                    for j, top in enumerate(tops):
-                        top.update(zip(top_ids[i, j, :n].tolist(), top_lps[i, j, :n].tolist()))
+            tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i, :a + 1])
             outputs.append(self._append_tokens(seq, new, tops))
             if seq.status is not Status.FINISHED:
                 keep = self.blocks.pages_needed(seq.num_tokens)
@@ -441,6 +425,29 @@ class LLMEngine:
                 self._commit(seq)
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
+
+    @staticmethod
+    def _host_logprobs(batch, result, sampled: list[int]):
+        """A step's logprobs and top logprobs on the host (the logprobs only if a sampled row asked)."""
+        want_lp = any(batch.seqs[i].params.logprobs is not None for i in sampled)
+        logprobs = np.asarray(result.logprobs) if want_lp else None
+        top_ids = None if result.top_tokens is None else np.asarray(result.top_tokens)
+        top_lps = None if result.top_logprobs is None else np.asarray(result.top_logprobs)
+        return logprobs, top_ids, top_lps
+
+    @staticmethod
+    def _tops(seq: Sequence, new: list[int], logprobs, top_ids, top_lps, rows) -> list:
+        """The logprob entry of each new token of ``seq`` (None without ``logprobs``): its own logprob
+        plus the step's top ``logprobs`` alternatives. ``rows`` picks the sequence's positions from the
+        step's arrays (one row of a plain step, the accepted positions of a verifying one)."""
+        n = seq.params.logprobs
+        if n is None:
+            return [None] * len(new)
+        tops = [{t: float(lp)} for t, lp in zip(new, logprobs[rows])]
+        if n and top_ids is not None:
+            for top, ids, lps in zip(tops, top_ids[rows], top_lps[rows]):
+                top.update(zip(ids[:n].tolist(), lps[:n].tolist()))
+        return tops
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], tops: list, complete: bool = False) -> RequestOutput:
         """Append a step's new tokens (one, or several from a verifying step) up to the first that ends
