@@ -26,8 +26,11 @@ flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the eng
                   "to --max_num_seqs).")
 flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
                   "up to max_model_len / page_size).")
-flags.DEFINE_enum("speculative_method", None, ["ngram"], "Speculative decoding: 'ngram' proposes the tokens that "
-                  "followed the sequence's last n-gram in its own prompt and output (off by default).")
+flags.DEFINE_enum("speculative_method", None, ["ngram", "draft"], "Speculative decoding (off by default): 'ngram' "
+                  "proposes the tokens that followed the sequence's last n-gram in its own prompt and output; "
+                  "'draft' the greedy continuation of --speculative_model.")
+flags.DEFINE_string("speculative_model", None, "draft: a smaller model with the target's tokenizer (preset, Hugging "
+                    "Face directory or .gguf), loaded like the target.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Tokens proposed per sequence and step (1..16).")
 flags.DEFINE_integer("ngram_min", 1, "Shortest n-gram the ngram proposer matches.")
 flags.DEFINE_integer("ngram_max", 4, "Longest n-gram the ngram proposer matches (tried first).")
@@ -38,7 +41,7 @@ F = flags.FLAGS
 NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "compilation_cache_dir", "max_num_seqs",
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
          "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
-         "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs")
+         "speculative_method", "speculative_model", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs")
 
 
 def buckets(values: list[str] | None) -> tuple[int, ...] | None:
@@ -56,7 +59,7 @@ def engine_config():
         max_model_len=F.max_model_len, enable_prefix_caching=F.enable_prefix_caching,
         token_buckets=buckets(F.token_buckets), seq_buckets=buckets(F.seq_buckets),
         page_buckets=buckets(F.page_buckets), speculative_method=F.speculative_method,
-        num_speculative_tokens=F.num_speculative_tokens, ngram_min=F.ngram_min, ngram_max=F.ngram_max,
+        speculative_model=F.speculative_model, num_speculative_tokens=F.num_speculative_tokens, ngram_min=F.ngram_min, ngram_max=F.ngram_max,
         speculative_max_num_seqs=F.speculative_max_num_seqs, **model_flags.load_options(),
         **model_flags.parallel_options())
 
