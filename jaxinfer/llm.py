@@ -29,10 +29,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
+               background: bool = False) -> float:
         """Compile every step shape ahead of time (``structured``: also those of steps with
-        constrained requests); returns the seconds it took."""
-        return self.engine.warmup(shapes, greedy_only, structured)
+        constrained requests); returns the seconds it took. ``background``: only the steps a single
+        request meets first before returning, the rest in a background thread (what the server does)."""
+        return self.engine.warmup(shapes, greedy_only, structured, background)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -72,3 +72,23 @@ def test_compilation_cache_dir_defaults_to_the_user_cache(monkeypatch, tmp_path)
     assert default_compilation_cache_dir() == str(tmp_path / "jaxinfer" / "xla")
     with pytest.raises(ValueError, match="max_executables"):
         EngineConfig(max_executables=0)
+
+
+def test_background_warmup_compiles_the_plan_once_while_serving(tmp_path):
+    """The server's warm-up: the first steps before it returns, the rest in a thread while requests
+    run; each planned step is compiled exactly once (a step waits for a compilation under way), and
+    tokens equal those of a fully warmed-up engine."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (3, 17, 30)]
+    ref = LLM("tiny-llama3", compilation_cache_dir="", **TINY)
+    ref.warmup(greedy_only=True)
+    want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    llm = LLM("tiny-llama3", compilation_cache_dir=str(tmp_path), **TINY)
+    runner = llm.engine.runner
+    plan = runner.warmup_plan(greedy_only=True)
+    first = runner.first_steps(plan)
+    assert 0 < len(first) < len(plan)
+    llm.warmup(greedy_only=True, background=True)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    llm.engine.wait_warmup()
+    assert runner.num_executables == len(plan) == llm.engine.num_compilations

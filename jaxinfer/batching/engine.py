@@ -508,15 +508,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- introspection
 
-    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
+               background: bool = False) -> float:
         """Compile every step shape now (or the given ``(tokens, seqs, pages)`` ones); returns seconds.
-        ``structured``: also what steps with constrained requests run (else compiled on first use)."""
+        ``structured``: also what steps with constrained requests run (else compiled on first use).
+        ``background``: only the steps a single request meets first now, the rest in a background
+        thread (``ModelRunner.warmup``; ``wait_warmup`` joins it)."""
         t0 = time.perf_counter()
         self.runner.warmup(shapes, greedy_only, structured,
-                           self.config.num_speculative_tokens if self.proposer is not None else 0)
+                           self.config.num_speculative_tokens if self.proposer is not None else 0, background)
         if isinstance(self.proposer, DraftProposer):  # proposals are greedy
             self.proposer.engine.warmup(greedy_only=True)
         return time.perf_counter() - t0
+
+    def wait_warmup(self) -> None:
+        """Block until a background warm-up has compiled the rest of its plan."""
+        self.runner.wait_warmup()
 
     @property
     def num_compilations(self) -> int:

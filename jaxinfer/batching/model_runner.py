@@ -7,15 +7,22 @@ Compiled steps are held in an LRU of at most ``max_executables``: every XLA:CPU 
 its code in memory mappings, and a process that compiled ~400 SmolLM2 step shapes died with
 "LLVM ERROR: Unable to allocate section memory" (``vm.max_map_count`` 65530). An evicted step is
 dropped together with JAX's own caches, which would otherwise keep it alive.
+
+Warm-up may leave most of its plan to a background thread (``warmup(background=True)``, what the
+server does): the steps a single request runs first are compiled before it returns, the rest while
+requests are already served. A step whose shape is still being compiled waits for that compilation
+rather than starting a second one; the set compiled is the plan either way.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import threading
 from typing import Callable
 
 import jax
@@ -141,6 +148,10 @@ class ModelRunner:
         self.num_compilations = 0
         self.max_executables = max_executables
         self._executables: collections.OrderedDict = collections.OrderedDict()  # LRU: key -> compiled step
+        self._compiling: dict = {}  # key -> Future of a compilation under way (warm-up's thread or a step)
+        self._lock = threading.Lock()  # guards both maps
+        self._trace_lock = threading.Lock()  # tracing (Python, GIL-bound anyway) one step at a time
+        self._background: threading.Thread | None = None
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
         # Decode-only steps compile separately only where the backend has a kernel for them.
@@ -324,18 +335,42 @@ class ModelRunner:
 
     def _compiled(self, fn, args, packing: Packing, flags: dict):
         """``fn`` (the step, or a constrained step's forward or sampling half) compiled for these
-        arguments' layout and these flags: from the LRU, or compiled now (through the persistent
-        compilation cache when one is set), evicting the least recently used."""
+        arguments' layout and these flags: from the LRU, from a compilation already under way in
+        another thread (waited for), or compiled now (through the persistent compilation cache when
+        one is set), evicting the least recently used. Thread-safe: warm-up's background thread and
+        the engine's steps both come here."""
         key = (fn, packing, tuple(sorted(flags.items())))
-        exe = self._executables.get(key)
-        if exe is not None:
-            self._executables.move_to_end(key)
-            return exe
-        exe = fn.lower(*args, packing=packing, **flags).compile()
-        self._executables[key] = exe
-        if len(self._executables) > self.max_executables:
-            self._executables.popitem(last=False)
+        with self._lock:
+            exe = self._executables.get(key)
+            if exe is not None:
+                self._executables.move_to_end(key)
+                return exe
+            pending = self._compiling.get(key)
+            if pending is None:
+                pending = self._compiling[key] = concurrent.futures.Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()
+        try:
+            with self._trace_lock:
+                lowered = fn.lower(*args, packing=packing, **flags)
+            exe = lowered.compile()  # XLA releases the GIL: steps run meanwhile
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[key]
+            pending.set_exception(e)
+            raise
+        with self._lock:
+            del self._compiling[key]
+            self._executables[key] = exe
+            evict = len(self._executables) > self.max_executables
+            if evict:
+                self._executables.popitem(last=False)
+        if evict:
             jax.clear_caches()  # JAX's compilation caches hold a reference to every executable
+        pending.set_result(exe)
         return exe
 
     def run(self, batch: ScheduledBatch, num_speculative: int = 0) -> SampleResult | VerifyResult:
@@ -392,42 +427,81 @@ class ModelRunner:
         return [(x, d, g) for x, d in steps for g in variants]
 
     def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
-               num_speculative: int = 0) -> None:
+               num_speculative: int = 0, background: bool = False) -> None:
         """Compile every step of ``warmup_plan`` ahead of time, without running any; ``structured``:
         also the forward and sampling halves that steps with constrained sequences run as;
-        ``num_speculative``: also each step's verifying variant (``prepare(batch, num_speculative)``)."""
+        ``num_speculative``: also each step's verifying variant (``prepare(batch, num_speculative)``).
+
+        ``background``: compile only ``first_steps`` now and the rest of the plan in a daemon thread
+        (``wait_warmup`` joins it), so a server can answer while most shapes still compile: the
+        SmolLM2 server's 40 steps took 47 s from an empty compilation cache and 15 s from a filled
+        one on the 2-core CPU, nearly all of start-up (docs/benchmarks.md, issue 22)."""
         plan = self.warmup_plan(shapes, greedy_only)
         count = len(plan) * (2 if num_speculative else 1) + (
             len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan}) if structured else 0)
         if count > self.max_executables:
             raise ValueError(f"warm-up would compile {count} steps but max_executables is "
                              f"{self.max_executables}: raise it or use fewer buckets")
-        for (t, s, p), decode_only, greedy in tqdm(plan, desc="compiling buckets", unit="step"):
-            tokens = np.zeros(t, np.int32)
-            slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
-            md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
-                               np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-            sb, flags = SamplingBatch.greedy(s, _PENALTY_SLOTS), dict(greedy_only=greedy, num_logprobs=None,
-                                                                       penalties=False)
-            inputs, packing = pack_inputs((tokens, tokens, md, sb))
-            self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
-            if num_speculative:
-                md_v = dataclasses.replace(md, logits_indices=np.zeros(s * (num_speculative + 1), np.int32))
-                sb_v = dataclasses.replace(sb, proposals=np.full((s, num_speculative), -1, np.int32))
-                inputs, packing = pack_inputs((tokens, tokens, md_v, sb_v))
-                self._compiled(self._step, (self.weights, self.cache, self.last_tokens, inputs), packing, flags)
-            if structured:
-                inputs, packing = pack_inputs((tokens, tokens, md))
-                forward = self._compiled(self._forward, (self.weights, self.cache, self.last_tokens, inputs), packing,
-                                         {})
-                inputs, packing = pack_inputs((sb, np.zeros((s, bitmask_width(self.config.vocab_size)), np.int32)))
-                self._compiled(self._sample, (forward.out_info[0], self.last_tokens, inputs), packing, flags)
+        first = set(self.first_steps(plan)) if background else set(plan)
+        # Shapes, not the arrays: steps replace (and may donate) the cache while the thread compiles.
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                             (self.cache, self.last_tokens))
+        for step in tqdm([x for x in plan if x in first], desc="compiling buckets", unit="step"):
+            self._warm_step(step, state, structured, num_speculative)
         if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
             c = self.config
             for t in sorted({t for (t, _, _), _, _ in plan}):
                 new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.write_dtype)
                 self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
                                                                           np.int32))
+        rest = sorted((x for x in plan if x not in first), key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], not x[2]))
+        if rest:
+            def compile_rest():
+                for step in rest:
+                    try:
+                        self._warm_step(step, state, structured, num_speculative)
+                    except Exception:  # noqa: BLE001 - the step compiles on first use instead
+                        log.exception("background compilation of %s failed", step)
+                log.info("background warm-up done: %d more steps", len(rest))
+
+            self._background = threading.Thread(target=compile_rest, name="warmup", daemon=True)
+            self._background.start()
+
+    def wait_warmup(self) -> None:
+        """Return once a background warm-up (``warmup(background=True)``) has compiled its steps."""
+        if self._background is not None:
+            self._background.join()
+
+    def first_steps(self, plan):
+        """The steps of ``plan`` a single request meets first: one sequence at the smallest page
+        bucket, decoding (the smallest token bucket) or prefilling at the token budget (the largest),
+        greedy and sampled. What a background warm-up compiles before it returns."""
+        b = self.buckets
+        return [x for x in plan if x[0][1:] == (b.seqs[0], b.pages[0]) and x[0][0] in (b.tokens[0], b.tokens[-1])]
+
+    def _warm_step(self, step, state, structured: bool, num_speculative: int) -> None:
+        """Compile one step of ``warmup_plan`` (and its verifying and constrained variants if asked)
+        for ``state``, the cache's and last tokens' shapes."""
+        (t, s, p), decode_only, greedy = step
+        tokens = np.zeros(t, np.int32)
+        slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
+        md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
+                           np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
+        sb, flags = SamplingBatch.greedy(s, _PENALTY_SLOTS), dict(greedy_only=greedy, num_logprobs=None,
+                                                                   penalties=False)
+        weights, (cache, last) = self.weights, state
+        inputs, packing = pack_inputs((tokens, tokens, md, sb))
+        self._compiled(self._step, (weights, cache, last, inputs), packing, flags)
+        if num_speculative:
+            md_v = dataclasses.replace(md, logits_indices=np.zeros(s * (num_speculative + 1), np.int32))
+            sb_v = dataclasses.replace(sb, proposals=np.full((s, num_speculative), -1, np.int32))
+            inputs, packing = pack_inputs((tokens, tokens, md_v, sb_v))
+            self._compiled(self._step, (weights, cache, last, inputs), packing, flags)
+        if structured:
+            inputs, packing = pack_inputs((tokens, tokens, md))
+            forward = self._compiled(self._forward, (weights, cache, last, inputs), packing, {})
+            inputs, packing = pack_inputs((sb, np.zeros((s, bitmask_width(self.config.vocab_size)), np.int32)))
+            self._compiled(self._sample, (forward.out_info[0], last, inputs), packing, flags)
 
     # Swap copies are padded to a power-of-two page count so they compile O(log pages) times, not
     # once per count. Padding reads page 0 (and is cut off) and writes nowhere (dropped index).

@@ -66,8 +66,13 @@ class ReplicatedEngine:
                 outputs.append(out)
         return outputs
 
-    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False) -> float:
-        return sum(e.warmup(shapes, greedy_only, structured) for e in self.replicas)
+    def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
+               background: bool = False) -> float:
+        return sum(e.warmup(shapes, greedy_only, structured, background) for e in self.replicas)
+
+    def wait_warmup(self) -> None:
+        for e in self.replicas:
+            e.wait_warmup()
 
     @property
     def num_compilations(self) -> int:

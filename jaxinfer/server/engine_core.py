@@ -86,7 +86,8 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
         if distributed is not None:
             multihost.initialize(*distributed)
         engine = create_engine(model, config)
-        warmup = engine.warmup(structured=warmup_structured)
+        # /health answers once a single request's first steps are compiled; the rest compile meanwhile
+        warmup = engine.warmup(structured=warmup_structured, background=True)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which exits
         outputs.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
