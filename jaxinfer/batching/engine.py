@@ -521,9 +521,10 @@ class LLMEngine:
             self.proposer.engine.warmup(greedy_only=True)
         return time.perf_counter() - t0
 
-    def wait_warmup(self) -> None:
-        """Block until a background warm-up has compiled the rest of its plan."""
-        self.runner.wait_warmup()
+    def wait_warmup(self, stop: bool = False) -> None:
+        """Block until a background warm-up has compiled the rest of its plan (``stop``: until it
+        has stopped, after the step under way)."""
+        self.runner.wait_warmup(stop)
 
     @property
     def num_compilations(self) -> int:

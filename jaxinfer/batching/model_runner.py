@@ -152,6 +152,7 @@ class ModelRunner:
         self._lock = threading.Lock()  # guards both maps
         self._trace_lock = threading.Lock()  # tracing (Python, GIL-bound anyway) one step at a time
         self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
         # Decode-only steps compile separately only where the backend has a kernel for them.
@@ -458,6 +459,8 @@ class ModelRunner:
         if rest:
             def compile_rest():
                 for step in rest:
+                    if self._stop_background.is_set():
+                        return
                     try:
                         self._warm_step(step, state, structured, num_speculative)
                     except Exception:  # noqa: BLE001 - the step compiles on first use instead
@@ -467,8 +470,12 @@ class ModelRunner:
             self._background = threading.Thread(target=compile_rest, name="warmup", daemon=True)
             self._background.start()
 
-    def wait_warmup(self) -> None:
-        """Return once a background warm-up (``warmup(background=True)``) has compiled its steps."""
+    def wait_warmup(self, stop: bool = False) -> None:
+        """Return once a background warm-up (``warmup(background=True)``) has compiled its steps;
+        ``stop``: once it has finished the step it is compiling, leaving the rest. A process must
+        not exit while the thread is inside XLA (it aborts: "terminate called after throwing")."""
+        if stop:
+            self._stop_background.set()
         if self._background is not None:
             self._background.join()
 

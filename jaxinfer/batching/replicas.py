@@ -70,9 +70,9 @@ class ReplicatedEngine:
                background: bool = False) -> float:
         return sum(e.warmup(shapes, greedy_only, structured, background) for e in self.replicas)
 
-    def wait_warmup(self) -> None:
+    def wait_warmup(self, stop: bool = False) -> None:
         for e in self.replicas:
-            e.wait_warmup()
+            e.wait_warmup(stop)
 
     @property
     def num_compilations(self) -> int:

@@ -20,6 +20,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 
@@ -37,6 +38,7 @@ from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, chec
 from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device,
                             with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
+from jaxinfer.user_cache import user_cache_dir
 
 LOAD_FORMATS = ("auto", "dummy")
 # "none": full precision; "gguf": a GGUF file's blocks as they are; the rest: quantized at load.
@@ -110,7 +112,17 @@ def load_config(source: ModelSource) -> ModelConfig:
         with open(os.path.join(source.path, "config.json")) as f:
             return ModelConfig.from_hf_config(json.load(f))
     if source.kind == "gguf":
-        return _gguf_config(gguf_reader(source.path))
+        cached = os.path.join(_gguf_cache(source.path), "config.json")
+        if os.path.isfile(cached):
+            with open(cached) as f:
+                return _config_from_json(json.load(f))
+        config = _gguf_config(gguf_reader(source.path))
+        def write(tmp):
+            with open(tmp, "w") as f:
+                json.dump(_config_to_json(config), f)
+
+        _write_cache(cached, write)
+        return config
     with open(os.path.join(source.path, CONVERTED_CONFIG)) as f:
         return _config_from_json(json.load(f)["config"])
 
@@ -156,7 +168,9 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
         if scheme is not None:
             weights = quantize_weights(weights, config, scheme)  # nothing unfolded to start from
         return config, arrange_layers(weights, config)
-    if source.kind == "gguf":
+    if source.kind == "gguf" and quantization == "none" and mesh is None and dtype == np.float32:
+        weights = _dequantized_gguf(source.path, config)
+    elif source.kind == "gguf":
         weights = _load_gguf(source.path, config, dtype, mesh, native=quantization == "gguf", scheme=scheme)
     else:
         weights = _load_hf(source.path, config, dtype, mesh, scheme)
@@ -385,6 +399,48 @@ def _gguf_config(reader) -> ModelConfig:
         raise ValueError("GGUF files with LongRoPE factors (Phi-3 128k) are not supported; "
                          "load the Hugging Face checkpoint instead")
     return ModelConfig.from_gguf_metadata(md)
+
+
+def _gguf_cache(path: str) -> str:
+    """Where what is derived from the GGUF file at ``path`` is kept (its config, its float32
+    weights), keyed by the file's name, size and modification time: a changed file derives again."""
+    st = os.stat(path)
+    return user_cache_dir("gguf", f"{os.path.basename(path)}-{st.st_size}-{st.st_mtime_ns}")
+
+
+def _write_cache(path: str, write) -> None:
+    """``write(tmp)`` then an atomic rename to ``path``; a cache that cannot be written is skipped."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        logging.getLogger(__name__).warning("could not cache %s: %s", path, e)
+
+
+def _dequantized_gguf(path: str, config: ModelConfig) -> Weights:
+    """The GGUF file's weights dequantized to float32, through the user cache: parsing the header
+    (~3 s for SmolLM2: GGUFReader walks its 49,152-token vocabulary) and dequantizing (~3 s) were
+    a third of the server's start-up on the 2-core CPU; the saved arrays are memory-mapped instead.
+    Per-layer arrays (the layout ``_load_gguf`` gives), one ``.npy`` per leaf."""
+    folder = os.path.join(_gguf_cache(path), "float32")
+    structure = jax.tree.structure(abstract_weights(config.replace(layer_loop="unroll")))
+    if os.path.isdir(folder):
+        leaves = [np.load(os.path.join(folder, f"{i}.npy"), mmap_mode="r") for i in range(structure.num_leaves)]
+        weights = jax.tree.unflatten(structure, [jnp.asarray(x) for x in leaves])
+        check_shapes(weights, config)
+        return weights
+    weights = _load_gguf(path, config, np.float32, None)
+    leaves = jax.tree.leaves(weights)
+    if jax.tree.structure(weights) == structure:
+        def write(tmp):
+            os.makedirs(tmp)
+            for i, x in enumerate(leaves):
+                np.save(os.path.join(tmp, f"{i}.npy"), np.asarray(x))
+
+        _write_cache(folder, write)
+    return weights
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

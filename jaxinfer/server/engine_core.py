@@ -101,6 +101,8 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
         _loop(engine, commands, outbox)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the front end is gone: nobody is left to serve
+    finally:
+        engine.wait_warmup(stop=True)  # exiting while the warm-up thread is inside XLA aborts the process
     outbox.close()
 
 
