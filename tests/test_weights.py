@@ -196,3 +196,19 @@ def test_config_that_disagrees_with_tensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=cfg["intermediate_size"] * 2)))
     with pytest.raises(ValueError, match=r"do not match the model config: .*w_gate_up"):
         load_model(str(tmp_path))
+
+
+def test_gguf_float32_weights_and_config_come_back_from_the_user_cache(tmp_path, monkeypatch):
+    """A GGUF dequantized once is kept (config and float32 arrays) and read back identically, without
+    parsing the file again (start-up, issue 22)."""
+    from jaxinfer.models import weights as weights_module
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config, first = load_model("smollm2-135m", layer_loop="indexed")
+    assert list(tmp_path.glob("jaxinfer/gguf/*/float32/0.npy")) and list(tmp_path.glob("jaxinfer/gguf/*/config.json"))
+    weights_module.gguf_reader.cache_clear()
+    monkeypatch.setattr(weights_module, "gguf_reader", lambda path: pytest.fail("the GGUF was parsed again"))
+    config2, second = load_model("smollm2-135m", layer_loop="indexed")
+    assert config2 == config
+    assert jax.tree.structure(second) == jax.tree.structure(first)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
