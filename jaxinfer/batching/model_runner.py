@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 from typing import Callable
 
@@ -447,8 +448,11 @@ class ModelRunner:
         # Shapes, not the arrays: steps replace (and may donate) the cache while the thread compiles.
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                              (self.cache, self.last_tokens))
-        for step in tqdm([x for x in plan if x in first], desc="compiling buckets", unit="step"):
-            self._warm_step(step, state, structured, num_speculative)
+        now = [x for x in plan if x in first]
+        # XLA compiles one executable on one core: the steps are compiled side by side, a thread per core.
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(now), os.cpu_count() or 1))) as pool:
+            list(tqdm(pool.map(lambda x: self._warm_step(x, state, structured, num_speculative), now),
+                      total=len(now), desc="compiling buckets", unit="step"))
         if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
             c = self.config
             for t in sorted({t for (t, _, _), _, _ in plan}):
