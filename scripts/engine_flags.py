@@ -21,9 +21,9 @@ flags.DEFINE_integer("num_pages", None, "KV pool size in pages (default: derived
 flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache.")
 flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
 flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: the engine's; on CPU "
-                  "1, 16, x4, ... up to --max_num_batched_tokens).")
-flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, x4, ... up "
-                  "to --max_num_seqs).")
+                  "1, 8, 16, x4, ... up to --max_num_batched_tokens).")
+flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, 8, 16, x4, "
+                  "... up to --max_num_seqs).")
 flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
                   "up to max_model_len / page_size).")
 flags.DEFINE_enum("speculative_method", None, ["ngram", "draft"], "Speculative decoding (off by default): 'ngram' "

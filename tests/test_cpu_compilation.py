@@ -23,8 +23,8 @@ def _maps() -> int:
 
 def test_cpu_default_buckets_are_coarse():
     b = default_buckets("cpu", 128, 16, 64)
-    assert (b.tokens, b.seqs, b.pages) == ((1, 16, 64, 128), (1, 4, 16), (16, 64))
-    assert len(b.all_shapes()) == 20  # the server's defaults: 624 shapes with powers of two
+    assert (b.tokens, b.seqs, b.pages) == ((1, 8, 16, 64, 128), (1, 4, 8, 16), (16, 64))
+    assert len(b.all_shapes()) == 32  # the server's defaults: 624 shapes with powers of two
     assert default_buckets("gpu", 128, 16, 64).tokens == (8, 16, 32, 64, 128)
 
 

@@ -31,7 +31,7 @@ class EngineConfig:
     - ``max_model_len``: defaults to the model's context length.
     - ``prefill_chunk_size``: most prompt tokens one request feeds per step (default: the budget).
     - ``token_buckets``/``seq_buckets``/``page_buckets``: the padded shapes steps compile for
-      (default on CPU: tokens 1, 16, x4..., sequences 1, x4..., pages 16, x4..., each up to its limit,
+      (default on CPU: tokens 1, 8, 16, x4..., sequences 1, 4, 8, 16, x4..., pages 16, x4..., each up to its limit,
       measured to lose little to padding there while compiling few shapes; elsewhere powers of two).
     - ``compilation_cache_dir``: XLA's persistent compilation cache, so a restart loads the steps
       instead of compiling them; default ``$XDG_CACHE_HOME/jaxinfer/xla`` (``~/.cache/...``), ``""``

@@ -58,16 +58,20 @@ def geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
 def default_buckets(backend: str, max_tokens: int, max_seqs: int, max_pages: int) -> "Buckets":
     """The bucket set used where none is given.
 
-    CPU: a 1-token bucket for batch-1 decode (SmolLM2, quiet 2-core box: 40.5 ms per step at T=1,
-    50.0 at T=2), then 16 tokens and x4 steps (a step's cost grows with its tokens; 16 costs about
-    what 1 does per step); sequences 1, 4, 16, ...; pages 16, 64, ... (docs/benchmarks.md has the
-    step time per bucket): SmolLM2's server defaults plan 20 shapes instead of 624, so warm-up
-    compiles 40 steps (greedy and sampled), not the ~400 that ran out of memory maps.
+    CPU: a 1-token bucket for batch-1 decode, an 8-token one for decode batches of 2-8 sequences,
+    then 16 tokens and x4 steps; sequences 1, 4, 8, 16, x4...; pages 16, 64, ... (docs/benchmarks.md
+    has the step time per bucket). Measured on SmolLM2 (2-core box, under load): a step of 2 or 4
+    tokens cost about what 8 do (168 and 206 ms against 138-165 ms: XLA:CPU's dots for 2-4 rows are
+    slow) while 16 tokens cost 335-375 ms, so 8 decodes padded to 16 paid twice over; the 8-token
+    bucket made the 8 x (128 + 128) workload faster. SmolLM2's server defaults plan 32 shapes (64
+    steps, greedy and sampled), not the 624 whose compilation ran out of memory maps; the server
+    compiles a single request's first steps before it answers and the rest in the background.
     Elsewhere powers of two (tokens from 8, pages from 4): each compile is cheap next to the
     padding it saves on an accelerator."""
     if backend == "cpu":
-        tokens = (1,) + geometric(16, max_tokens, 4) if max_tokens > 1 else (1,)
-        return Buckets(tuple(sorted(set(tokens))), geometric(1, max_seqs, 4), geometric(16, max_pages, 4))
+        tokens = {1, *(b for b in (8,) if b < max_tokens), *geometric(16, max_tokens, 4)} if max_tokens > 1 else {1}
+        seqs = {*geometric(1, max_seqs, 4), *(b for b in (8,) if b < max_seqs)}
+        return Buckets(tuple(sorted(tokens)), tuple(sorted(seqs)), geometric(16, max_pages, 4))
     return Buckets(geometric(min(8, max_tokens), max_tokens, 2), geometric(1, max_seqs, 2),
                    geometric(min(4, max_pages), max_pages, 2))
 
