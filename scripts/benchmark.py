@@ -609,9 +609,9 @@ def print_table(results):
     print(f"\ndevice: {results['device']}  read bandwidth {results['read_bandwidth_gb_s']:.0f} GB/s  "
           f"matmul {results['matmul_tflop_s']:.1f} TFLOP/s")
     print(f"{'workload':<12} {'metric':<34} {'value':>12}")
-    for w in ("offline", "latency", "throughput", "prefix", "decode", "hf", "cpu"):
+    for w in ("offline", "latency", "throughput", "prefix", "decode", "hf", "cpu", "startup"):
         for k, v in results.get(w, {}).items():
-            if k == "buckets":
+            if isinstance(v, (dict, list)):  # buckets and start-up details: in the JSON
                 continue
             print(f"{w:<12} {k:<34} {v:>12.4g}" if isinstance(v, float) else f"{w:<12} {k:<34} {v:>12}")
     if "cpu" in results:
