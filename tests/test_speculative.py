@@ -167,7 +167,7 @@ def test_randomized_workload_no_leak():
 def test_no_compilation_after_warmup():
     llm = LLM(MODEL, load_format="dummy", max_num_seqs=1, max_num_batched_tokens=16, max_model_len=256,
               seq_buckets=(1,), page_buckets=(16,), speculative_method="ngram", num_speculative_tokens=3)
-    assert llm.engine.runner.buckets.tokens == (1, 4, 16)  # the batch-1 verify step has its own bucket
+    assert llm.engine.runner.buckets.tokens == (1, 4, 8, 16)  # the batch-1 verify step has its own bucket
     llm.warmup(greedy_only=True)
     before = llm.engine.num_compilations
     prompt = make_prompts(21, 1, low=40, high=41)[0]
