@@ -37,6 +37,7 @@ flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, dr
 flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.")
 flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+flags.DEFINE_integer("replay_passes", 16, "replay: most passes to reach the fixpoint (see replay()).")
 flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
 flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
 flags.DEFINE_string("prompts", os.path.join(os.path.dirname(__file__), "..", "tests", "data", "spec_prompts.json"),
@@ -159,6 +160,15 @@ def verify_cost(results):
 
 
 def replay(results):
+    """Plain greedy, then speculation proposing what a greedy run produced. In float32 that is the plain
+    run's output (acceptance 1, output identical). In bfloat16 on a GPU a 5-row verify step and a
+    1-row decode step round differently, and random weights leave near-tied logits, so about one
+    token in 20-30 flips and the replayed answer stops matching for the rest of the request
+    (acceptance 0.04 measured). The replayed answer is then the speculative run's own output,
+    iterated to a fixpoint: each pass reproduces the previous one's steps up to its first flip and
+    moves that point on (the steps before it are the same shapes on the same inputs), so after a few
+    passes acceptance is 1 and the timed run is the real machinery at its ceiling; its output then
+    differs from the plain run's by those bf16 flips (``identical_to_plain``)."""
     sizes = [int(b) for b in F.batch_sizes]
     llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
     vocab = llm.engine.model_config.vocab_size
@@ -168,14 +178,20 @@ def replay(results):
         prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
         timed_run(llm, prompts, None)  # compile the plain shapes
         plain = timed_run(llm, prompts, None)
-        proposer = ReplayProposer({tuple(p): t for p, t in zip(prompts, plain["tokens"])})
-        timed_run(llm, prompts, proposer)  # compile the verify shapes
-        spec = timed_run(llm, prompts, proposer)
+        answers, passes = plain["tokens"], 0
+        while True:  # replay until the speculative run reproduces what it replays (see replay's docstring)
+            spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
+            passes += 1
+            if spec["tokens"] == answers or passes == F.replay_passes:
+                break
+            answers = spec["tokens"]
+        spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
         same = sum(a == c for a, c in zip(plain["tokens"], spec["tokens"]))
         out[b] = dict(plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
                       plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
                       decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
-                      acceptance_rate=spec["acceptance_rate"], identical_requests=f"{same}/{b}")
+                      acceptance_rate=spec["acceptance_rate"], replay_passes=passes,
+                      identical_to_plain=f"{same}/{b}")
     results["replay"] = dict(k=F.k, by_batch=out)
 
 
