@@ -37,6 +37,7 @@ runs the fused step it always did and sends no bitmask.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import threading
 import time
@@ -163,6 +164,7 @@ class Matchers:
         self.compiler = compiler
         self._by_request: dict[str, object] = {}
         self._executor = llguidance.LLExecutor()
+        self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitmask")
 
     def add(self, request_id: str, structured: StructuredOutputs) -> None:
         self._by_request[request_id] = self.compiler.matcher(structured)
@@ -191,11 +193,16 @@ class Matchers:
                                    f"(the bitmask should have excluded it): {m.get_error()}")
         return {rid for m, _, rid in pairs if m.is_stopped()}
 
-    def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> None:
-        """Write the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32, C
-        order), in parallel over llguidance's threads; other rows stay as they are (all allowed)."""
+    def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> concurrent.futures.Future:
+        """Start writing the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32,
+        C order; other rows are left as they are) over llguidance's threads, from a background thread
+        that waits on them without the GIL, so the caller's Python work runs meanwhile; returns the
+        future to wait on before the bitmask is sent. The matchers must not advance until then."""
         import llguidance.numpy
 
         pairs = [(self._by_request[rid], row) for row, rid in rows if rid in self._by_request]
-        if pairs:
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        if not pairs:  # llguidance refuses an empty batch
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return self._filler.submit(llguidance.numpy.fill_next_token_bitmask_par, self._executor, pairs, bitmask)
