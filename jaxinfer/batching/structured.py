@@ -195,9 +195,10 @@ class Matchers:
 
     def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> concurrent.futures.Future:
         """Start writing the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32,
-        C order; other rows are left as they are) over llguidance's threads, from a background thread
-        that waits on them without the GIL, so the caller's Python work runs meanwhile; returns the
-        future to wait on before the bitmask is sent. The matchers must not advance until then."""
+        C order; other rows are left as they are) over llguidance's threads, and return the future to
+        wait on before the bitmask is sent; the matchers must not advance until then. A background
+        thread makes the call, which holds no GIL while it runs, so the caller's Python work (turning
+        the last step's tokens into outputs) runs meanwhile."""
         import llguidance.numpy
 
         pairs = [(self._by_request[rid], row) for row, rid in rows if rid in self._by_request]
@@ -205,4 +206,15 @@ class Matchers:
             done = concurrent.futures.Future()
             done.set_result(None)
             return done
-        return self._filler.submit(llguidance.numpy.fill_next_token_bitmask_par, self._executor, pairs, bitmask)
+        started = threading.Event()
+
+        def fill():
+            started.set()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+
+        future = self._filler.submit(fill)
+        # Wait (without the GIL) until the thread runs: were the caller to go on with Python at once,
+        # the thread would wait for the GIL up to the interpreter's switch interval (5 ms), longer
+        # than the work it is meant to overlap. Once inside llguidance it holds no GIL.
+        started.wait()
+        return future
