@@ -29,9 +29,11 @@ needs PyTorch in a JAX engine.
 
 Overlap: the bitmask of a constrained sequence at step N+1 depends on the token it sampled at step
 N. The engine dispatches step N+1's forward pass first (its input token is read on device), then
-reads step N's tokens, advances the matchers and fills the bitmask while the device computes, and
-dispatches the sampling last (``ModelRunner.run_forward``). A step without constrained sequences
-runs the fused step it always did and sends no bitmask.
+reads step N's tokens and advances the matchers (``consume_token_par``); llguidance then fills the
+bitmask from a background thread, without the GIL, while the main thread turns step N's tokens into
+outputs (detokenizing, stop strings); the sampling goes last, its bitmask written in place into the
+step's reused host transfer buffer (``ModelRunner.run_forward``). A step without constrained
+sequences runs the fused step it always did and sends no bitmask.
 """
 
 from __future__ import annotations
