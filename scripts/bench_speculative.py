@@ -36,6 +36,7 @@ flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, draft.")
 flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.")
 flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
+flags.DEFINE_integer("ngram_min", None, "cpu: the engine's ngram_min (default: the engine's, 2 on CPU).")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
 flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
 flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
@@ -62,6 +63,7 @@ def make_llm(max_num_seqs: int, method: str = "ngram", **options):
     from jaxinfer import LLM
     budget = max(512, max_num_seqs * (F.k + 1))
     return LLM(F.model, **model_flags.load_options(), speculative_method=method, num_speculative_tokens=F.k,
+               ngram_min=F.ngram_min,
                speculative_max_num_seqs=max_num_seqs, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
 
