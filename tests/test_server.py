@@ -262,6 +262,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x"}}}, 400, "response_format", "schema"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "json"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "additionalProperties": True}}}},
+     400, "response_format", "additionalProperties must be false"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"o": {
+            "type": "object", "additionalProperties": {"type": "string"}}}}}}]},
+     400, "tools", "additionalProperties must be false"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "[a-"}, 400, "guided_regex", "regex"),
     ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: undefined_rule"}, 400, "guided_grammar", "grammar"),
     ("/v1/completions", {"prompt": "hi", "guided_json": "{not json"}, 400, "guided_json", "json"),

@@ -84,3 +84,15 @@ def test_tool_call_schema():
     jsonschema.validate({"name": "b", "arguments": {}}, single)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "b", "arguments": {}}], single)
+
+
+def test_strict_schema_forbids_additional_properties_true():
+    from jaxinfer.server.constraints import strict_schema
+    from jaxinfer.server.protocol import APIError
+
+    nested = {"type": "object", "properties": {"o": {"type": "object", "additionalProperties": {"type": "string"}}}}
+    for schema, where in (({"type": "object", "additionalProperties": True}, "the schema"), (nested, ".properties.o")):
+        with pytest.raises(APIError) as e:
+            strict_schema(schema, "response_format")
+        assert e.value.status == 400 and e.value.param == "response_format" and where in e.value.message
+    assert strict_schema({"type": "string"}, "tools") == {"type": "string"}  # no object: unchanged
