@@ -80,6 +80,10 @@ def test_tool_call_schema():
     for bad in ([], [{"name": "c", "arguments": {}}], [{"name": "a", "arguments": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, parallel)
+    strict = [{"type": "function", "function": {**tools[0]["function"], "strict": True}}]
+    jsonschema.validate({"x": 1, "y": 2}, named)  # JSON Schema's default: unlisted properties allowed
+    with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
+        jsonschema.validate({"x": 1, "y": 2}, tool_call_schema(ToolPlan("named", strict, named="a")))
     single = tool_call_schema(ToolPlan("required", tools, parallel=False))
     jsonschema.validate({"name": "b", "arguments": {}}, single)
     with pytest.raises(jsonschema.ValidationError):
