@@ -95,7 +95,9 @@ def test_strict_schema_forbids_additional_properties_true():
     from jaxinfer.server.protocol import APIError
 
     nested = {"type": "object", "properties": {"o": {"type": "object", "additionalProperties": {"type": "string"}}}}
-    for schema, where in (({"type": "object", "additionalProperties": True}, "the schema"), (nested, ".properties.o")):
+    parts = {"type": "object", "properties": {"p": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}}}
+    for schema, where in (({"type": "object", "additionalProperties": True}, "the schema"), (nested, ".properties.o"),
+                          (parts, "allOf is not supported with strict (.properties.p)")):
         with pytest.raises(APIError) as e:
             strict_schema(schema, "response_format")
         assert e.value.status == 400 and e.value.param == "response_format" and where in e.value.message

@@ -72,6 +72,9 @@ def strict_schema(schema, param: str):
             return [walk(n, f"{where}[{i}]") for i, n in enumerate(node)]
         if not isinstance(node, dict):
             return node
+        if "allOf" in node:  # its parts, each closed to the others' properties, would admit no object at all
+            raise APIError(400, f"{param}: allOf is not supported with strict ({where or 'the schema'}); merge "
+                                "its parts into one object schema", param=param, code="invalid_schema")
         out = {k: walk(v, f"{where}.{k}") if k in _SUBSCHEMAS else
                {name: walk(sub, f"{where}.{k}.{name}") for name, sub in v.items()} if k in _SCHEMA_MAPS and
                isinstance(v, dict) else v for k, v in node.items()}
