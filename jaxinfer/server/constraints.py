@@ -92,7 +92,7 @@ def strict_schema(schema, param: str):
 
 
 # Keywords whose value is a schema or a list of schemas, and those whose value maps names to schemas.
-_SUBSCHEMAS = frozenset({"items", "prefixItems", "additionalItems", "contains", "anyOf", "oneOf", "allOf", "not",
+_SUBSCHEMAS = frozenset({"items", "prefixItems", "additionalItems", "contains", "anyOf", "oneOf", "not",
                          "if", "then", "else", "additionalProperties", "unevaluatedProperties", "propertyNames"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 

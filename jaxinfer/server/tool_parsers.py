@@ -11,6 +11,11 @@ A model that decides to call a tool writes the call in the format its chat templ
 The parser is picked from the chat template's own markers (``parser_for_template``) unless the server
 is told one (``--tool_call_parser``). Output that does not parse is returned as plain content, as
 vLLM does: a malformed call is the model's text, not a server error.
+
+Streamed, a call's arguments are sent as they are written (OpenAI's deltas): ``partial_calls`` (Hermes)
+and ``forced_calls`` (``tool_choice`` required or named) find each call's name and the span of its
+arguments in a reply still growing, and a finished call's arguments are that span of the model's own
+text (``with_raw_arguments``), so the streamed pieces add up to exactly the non-streamed arguments.
 """
 
 from __future__ import annotations
