@@ -92,23 +92,27 @@ def _int4(w, group):
     g = w.astype(jnp.float32).reshape(*lead, n // group, group)
     lo, hi = jnp.min(g, axis=-1, keepdims=True), jnp.max(g, axis=-1, keepdims=True)
     span = jnp.where(hi > lo, hi - lo, 1.0)
-    mean = jnp.mean(g, axis=-1, keepdims=True)
-    centred = g - mean
+    u = (g - lo) / span  # the group mapped onto [0, 1]: each grid's codes are one multiply away
+    mean_u = jnp.mean(u, axis=-1, keepdims=True)
     best = None
     for t in _GRID_STEPS:
-        q = jnp.clip(jnp.round((g - lo) * ((15.0 + t) / span)), 0, 15)
-        sq = jnp.sum(q, axis=-1, keepdims=True)
-        sll = jnp.sum(q * q, axis=-1, keepdims=True) - sq * sq / group  # sum((q - mean q)^2)
-        slx = jnp.sum(q * centred, axis=-1, keepdims=True)  # sum((q - mean q) * (g - mean g))
+        q = jnp.minimum(jnp.floor(u * (15.0 + t) + 0.5), 15.0)  # round half up: cheaper than round-half-even
+        # one variadic reduction (one pass over u) for sum(q), sum(q^2), sum(q * u)
+        sq, sqq, squ = jax.lax.reduce((q, q * q, q * u), (0.0, 0.0, 0.0),
+                                      lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]), (q.ndim - 1,))
+        sq, sqq, squ = sq[..., None], sqq[..., None], squ[..., None]
+        sll = sqq - sq * sq / group  # sum((q - mean q)^2)
+        slu = squ - sq * mean_u  # sum((q - mean q) * (u - mean u))
         ok = sll > 0
-        s = jnp.where(ok, slx / jnp.where(ok, sll, 1.0), 0.0)
-        cand = (jnp.where(ok, s * slx, -1.0), s, mean - s * sq / group)  # error = sum(centred^2) - s * slx
+        s = jnp.where(ok, slu / jnp.where(ok, sll, 1.0), 0.0)  # the least-squares slope, in u's units
+        cand = (jnp.where(ok, s * slu, -1.0), s, mean_u - s * sq / group)  # error = sum((u - mean u)^2) - s * slu
         if best is None:
             best = cand
         else:
             take = cand[0] > best[0]
             best = tuple(jnp.where(take, a, b) for a, b in zip(cand, best))
     _, s, m = best
+    s, m = s * span, lo + m * span
     s = s[..., 0].astype(jnp.float16)
     s = jnp.where(s == 0, jnp.float16(1), s)
     m = m[..., 0].astype(jnp.float16)
