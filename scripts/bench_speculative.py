@@ -36,7 +36,9 @@ flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, draft.")
 flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.")
 flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
+flags.DEFINE_integer("ngram_min", None, "cpu: the engine's ngram_min (default: the engine's, 2 on CPU).")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+flags.DEFINE_integer("replay_passes", 16, "replay: most passes to reach the fixpoint (see replay()).")
 flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
 flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
 flags.DEFINE_string("prompts", os.path.join(os.path.dirname(__file__), "..", "tests", "data", "spec_prompts.json"),
@@ -62,6 +64,7 @@ def make_llm(max_num_seqs: int, method: str = "ngram", **options):
     from jaxinfer import LLM
     budget = max(512, max_num_seqs * (F.k + 1))
     return LLM(F.model, **model_flags.load_options(), speculative_method=method, num_speculative_tokens=F.k,
+               ngram_min=F.ngram_min,
                speculative_max_num_seqs=max_num_seqs, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
 
@@ -71,7 +74,7 @@ def timed_run(llm, prompts, proposer) -> dict:
     from jaxinfer import SamplingParams
     eng = llm.engine
     eng.proposer = proposer
-    before = dict(eng.stats())
+    before, verified0 = dict(eng.stats()), eng.counters["spec_verified"]
     params = SamplingParams(max_tokens=F.max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -90,18 +93,19 @@ def timed_run(llm, prompts, proposer) -> dict:
     decode_s = max(last.values()) - min(first.values())
     proposed = s["spec_proposed_tokens"] - before["spec_proposed_tokens"]
     accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    return dict(wall_s=wall, tok_s=sum(map(len, tokens)) / wall,
+    verified = eng.counters["spec_verified"] - verified0
+    return dict(wall_s=wall, tok_s=sum(map(len, tokens)) / wall, decode_s=decode_s,
                 decode_tok_s=sum(len(t) - 1 for t in tokens) / max(decode_s, 1e-9),
-                steps=s["steps"] - before["steps"], proposed=proposed, accepted=accepted,
-                acceptance_rate=accepted / max(1, proposed), tokens=tokens)
+                steps=s["steps"] - before["steps"], spec_steps=s["spec_steps"] - before["spec_steps"],
+                proposed=proposed, accepted=accepted, acceptance_rate=accepted / max(1, proposed),
+                mean_accepted_length=(accepted + verified) / max(1, verified), tokens=tokens)
 
 
 def cpu(results):
-    from jaxinfer.batching.speculative import NgramProposer
     data = json.load(open(F.prompts))
     llm = make_llm(1)
     prompts = [llm.engine.encode(p["prompt"]) for p in data["prompts"]]
-    ngram = NgramProposer(llm.engine.config.ngram_min, llm.engine.config.ngram_max)
+    ngram = llm.engine.proposer  # the engine's, with its n-gram window sizes
     timed_run(llm, prompts[:1], None)  # compile both paths
     timed_run(llm, prompts[:1], ngram)
     rows = []
@@ -112,13 +116,20 @@ def cpu(results):
                          identical=plain["tokens"] == spec["tokens"], plain_decode_tok_s=plain["decode_tok_s"],
                          spec_decode_tok_s=spec["decode_tok_s"], speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
                          acceptance_rate=spec["acceptance_rate"],
-                         spec_tokens_per_step=len(spec["tokens"][0]) / max(1, spec["steps"])))
+                         spec_tokens_per_step=len(spec["tokens"][0]) / max(1, spec["steps"]),
+                         # per step after the first token (the prefill's): plain steps, and speculating
+                         # steps of which `spec_verify_steps` verified proposals (the rest were plain)
+                         plain_step_ms=plain["decode_s"] / max(1, plain["steps"] - 1) * 1e3,
+                         spec_step_ms=spec["decode_s"] / max(1, spec["steps"] - 1) * 1e3,
+                         spec_steps=spec["steps"], spec_verify_steps=spec["spec_steps"],
+                         mean_accepted_length=spec["mean_accepted_length"]))
     plain_s = sum(r["new_tokens"] / r["plain_decode_tok_s"] for r in rows)
     spec_s = sum(r["new_tokens"] / r["spec_decode_tok_s"] for r in rows)
     total = sum(r["new_tokens"] for r in rows)
     results["cpu"] = dict(rows=rows, plain_decode_tok_s=total / plain_s, spec_decode_tok_s=total / spec_s,
                           speedup=plain_s / spec_s, all_identical=all(r["identical"] for r in rows),
-                          acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])), k=F.k)
+                          acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])), k=F.k,
+                          ngram_min=ngram.ngram_min, ngram_max=ngram.ngram_max)
 
 
 def verify_cost(results):
@@ -159,6 +170,15 @@ def verify_cost(results):
 
 
 def replay(results):
+    """Plain greedy, then speculation proposing what a greedy run produced. In float32 that is the plain
+    run's output (acceptance 1, output identical). In bfloat16 on a GPU a 5-row verify step and a
+    1-row decode step round differently, and random weights leave near-tied logits, so about one
+    token in 20-30 flips and the replayed answer stops matching for the rest of the request
+    (acceptance 0.04 measured). The replayed answer is then the speculative run's own output,
+    iterated to a fixpoint: each pass reproduces the previous one's steps up to its first flip and
+    moves that point on (the steps before it are the same shapes on the same inputs), so after a few
+    passes acceptance is 1 and the timed run is the real machinery at its ceiling; its output then
+    differs from the plain run's by those bf16 flips (``identical_to_plain``)."""
     sizes = [int(b) for b in F.batch_sizes]
     llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
     vocab = llm.engine.model_config.vocab_size
@@ -168,14 +188,20 @@ def replay(results):
         prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
         timed_run(llm, prompts, None)  # compile the plain shapes
         plain = timed_run(llm, prompts, None)
-        proposer = ReplayProposer({tuple(p): t for p, t in zip(prompts, plain["tokens"])})
-        timed_run(llm, prompts, proposer)  # compile the verify shapes
-        spec = timed_run(llm, prompts, proposer)
+        answers, passes = plain["tokens"], 0
+        while True:  # replay until the speculative run reproduces what it replays (see replay's docstring)
+            spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
+            passes += 1
+            if spec["tokens"] == answers or passes == F.replay_passes:
+                break
+            answers = spec["tokens"]
+        spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
         same = sum(a == c for a, c in zip(plain["tokens"], spec["tokens"]))
         out[b] = dict(plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
                       plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
                       decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
-                      acceptance_rate=spec["acceptance_rate"], identical_requests=f"{same}/{b}")
+                      acceptance_rate=spec["acceptance_rate"], replay_passes=passes,
+                      identical_to_plain=f"{same}/{b}")
     results["replay"] = dict(k=F.k, by_batch=out)
 
 
@@ -214,7 +240,9 @@ def print_table(results):
     if "cpu" in results:
         for r in results["cpu"]["rows"]:
             print(f"{'cpu':<10} {r['kind']:<22} {r['plain_decode_tok_s']:>10.2f} {r['spec_decode_tok_s']:>10.2f} "
-                  f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}{'' if r['identical'] else '  DIFFERS'}")
+                  f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}{'' if r['identical'] else '  DIFFERS'}   "
+                  f"ms/step {r['plain_step_ms']:.1f} / {r['spec_step_ms']:.1f}, {r['spec_verify_steps']} of "
+                  f"{r['spec_steps']} steps verify, {r['mean_accepted_length']:.2f} tokens per verify")
         c = results["cpu"]
         print(f"{'cpu':<10} {'all (decode tok/s)':<22} {c['plain_decode_tok_s']:>10.2f} {c['spec_decode_tok_s']:>10.2f} "
               f"{c['speedup']:>7.2f} {c['acceptance_rate']:>7.2f}")

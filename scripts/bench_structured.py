@@ -4,13 +4,18 @@
    queued so every slot stays busy), every one constrained (``--constraint``: ``schema``, a JSON
    schema of a record list long enough to fill ``--output_len``; or ``json_object``), against the
    same requests unconstrained, each generating exactly as many tokens as it did constrained
-   (``ignore_eos``): the same work, so the ratio is the constraint's cost. Each run goes twice and
-   the second counts (the first compiles what it meets). Reported: output tok/s of each, their
-   ratio (target >= 0.85), host time per step, compilations during the counted runs.
+   (``ignore_eos``): the same work, so the ratio is the constraint's cost. Each run goes once
+   uncounted (it compiles what it meets), then ``--repeats`` times counted, constrained and free
+   alternating, and the medians are reported (a shared machine's load drifts between runs).
+   Reported: output tok/s of each, their ratio (target >= 0.85), the engine's host time per step
+   (its own work, not waiting for the device) against wall time per step (when host ~ wall, the
+   host is the bottleneck), compilations during the counted runs; ``--profile``: where the host
+   time of a counted run goes (cProfile, top functions by own time).
 2. Constraint compile time over the schemas shipped in tests/data/json_schemas.json (p50/p99, each
    compiled cold in a fresh compiler), and the cache: compiling them all again must hit every time.
 
     python scripts/bench_structured.py                                   # CPU, embedded SmolLM2
+    python scripts/bench_structured.py --model DIR --load_format dummy ... --repeats 5 --profile  # host overhead
     bash scripts/bench_structured_h200.sh json_object                    # H200: llama3-8b dummy, 256 sequences
 """
 
@@ -33,6 +38,9 @@ flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_integer("num_prompts", 48, "Requests per run (queued, so all max_num_seqs slots stay busy).")
 flags.DEFINE_integer("output_len", 128, "Most tokens per request.")
 flags.DEFINE_enum("constraint", "schema", ["schema", "json_object"], "What every constrained request asks for.")
+flags.DEFINE_integer("repeats", 1, "Counted runs of each kind (alternating); medians are reported.")
+flags.DEFINE_boolean("profile", False, "Profile the host side of one more run of each kind (cProfile): "
+                     "the functions with the most own time, printed and in the JSON.")
 flags.DEFINE_string("out", "results/structured.json", "Where to write the JSON results.")
 F = flags.FLAGS
 
@@ -51,9 +59,8 @@ TOPICS = ["customers", "cities", "products", "books", "sensors", "games", "recip
 
 
 def run(llm, prompts, params) -> tuple[dict, list]:
-    """Generate twice (the first compiles whatever step shapes it meets); figures of the second."""
+    """One counted generation (compiled before: see ``main``)."""
     eng = llm.engine
-    llm.generate(prompts, params)
     c0, compilations = dict(eng.counters), eng.num_compilations
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -62,9 +69,35 @@ def run(llm, prompts, params) -> tuple[dict, list]:
     steps = eng.counters["steps"] - c0["steps"]
     return dict(wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall, steps=steps,
                 host_ms_per_step=1e3 * (eng.counters["host_time"] - c0["host_time"]) / max(1, steps),
-                compilations=eng.num_compilations - compilations,
+                wall_ms_per_step=1e3 * wall / max(1, steps), compilations=eng.num_compilations - compilations,
                 finish_reasons={r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}}
                 ), outs
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (the work, hence tokens and steps, is the same in each),
+    with every run's throughput and host time."""
+    med = {k: float(np.median([r[k] for r in runs])) for k in ("wall_s", "output_tok_s", "host_ms_per_step",
+                                                                 "wall_ms_per_step")}
+    return dict(runs[0], **med, compilations=sum(r["compilations"] for r in runs),
+                runs_output_tok_s=[r["output_tok_s"] for r in runs],
+                runs_host_ms_per_step=[r["host_ms_per_step"] for r in runs])
+
+
+def profile(llm, prompts, params, top: int = 15) -> list[dict]:
+    """cProfile over one generation: the ``top`` functions by own time, in ms per engine step."""
+    import cProfile
+    import pstats
+
+    steps0 = llm.engine.counters["steps"]
+    prof = cProfile.Profile()
+    prof.runcall(llm.generate, prompts, params)
+    steps = max(1, llm.engine.counters["steps"] - steps0)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [dict(function=f"{os.path.basename(f)}:{line}({name})" if line else name, calls_per_step=v[0] / steps,
+                 own_ms_per_step=1e3 * v[2] / steps, cumulative_ms_per_step=1e3 * v[3] / steps)
+            for (f, line, name), v in rows]
 
 
 def compile_times(tokenizer, vocab_size, eos) -> dict:
@@ -96,21 +129,42 @@ def main(argv):
     results = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})",
                    model=F.model, max_num_seqs=F.max_num_seqs,
                    num_prompts=F.num_prompts, output_len=F.output_len, constraint=F.constraint)
-    results["constrained"], outs = run(llm, prompts, SamplingParams(
-        max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured))
-    results["free"], _ = run(llm, prompts, [SamplingParams(max_tokens=len(o.token_ids), temperature=0.0,
-                                                           ignore_eos=True) for o in outs])
+    constrained = SamplingParams(max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured)
+    _, outs = run(llm, prompts, constrained)  # compiles what it meets; fixes each request's length
+    free = [SamplingParams(max_tokens=len(o.token_ids), temperature=0.0, ignore_eos=True) for o in outs]
+    expected = {"constrained": [o.token_ids for o in outs], "free": [o.token_ids for o in run(llm, prompts, free)[1]]}
+    runs = {"constrained": [], "free": []}
+    for _ in range(F.repeats):
+        for kind, params in (("constrained", constrained), ("free", free)):
+            r, got = run(llm, prompts, params)
+            if [o.token_ids for o in got] != expected[kind]:  # greedy: every run the same tokens
+                raise RuntimeError(f"a counted {kind} run generated other tokens than its first run")
+            runs[kind].append(r)
+    for kind in runs:
+        results[kind] = median_run(runs[kind])
     results["throughput_ratio"] = results["constrained"]["output_tok_s"] / results["free"]["output_tok_s"]
+    if F.profile:
+        results["profile"] = {"constrained": profile(llm, prompts, constrained), "free": profile(llm, prompts, free)}
     results["compile"] = compile_times(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
     results["command"] = "python scripts/bench_structured.py " + " ".join(argv[1:])
     os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     with open(F.out, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"\n{'run':<12} {'output tok/s':>12} {'tokens':>8} {'steps':>6} {'host ms/step':>13} {'compiles':>8}  finish")
+    if F.profile:
+        for kind, rows in results["profile"].items():
+            print(f"\nhost profile, {kind} run (ms per step; cProfile slows Python down):")
+            print(f"{'own':>7} {'cumul':>7} {'calls':>7}  function")
+            for r in rows:
+                print(f"{r['own_ms_per_step']:>7.3f} {r['cumulative_ms_per_step']:>7.3f} {r['calls_per_step']:>7.1f}  "
+                      f"{r['function']}")
+    print(f"\nmedian of {F.repeats} counted run(s) each:")
+    print(f"{'run':<12} {'output tok/s':>12} {'tokens':>8} {'steps':>6} {'host ms/step':>13} {'wall ms/step':>13} "
+          f"{'compiles':>8}  finish")
     for k in ("free", "constrained"):
         r = results[k]
         print(f"{k:<12} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['steps']:>6} "
-              f"{r['host_ms_per_step']:>13.2f} {r['compilations']:>8}  {r['finish_reasons']}")
+              f"{r['host_ms_per_step']:>13.2f} {r['wall_ms_per_step']:>13.2f} {r['compilations']:>8}  "
+              f"{r['finish_reasons']}")
     c = results["compile"]
     print(f"throughput ratio constrained/free: {results['throughput_ratio']:.3f} (target >= 0.85)")
     print(f"compile over {c['schemas']} schemas: p50 {c['compile_ms_p50']:.2f} ms, p99 {c['compile_ms_p99']:.2f} ms, "

@@ -5,6 +5,8 @@
 #   bash scripts/bench_structured_h200.sh schema        # a JSON schema that keeps every request going for 256 tokens
 # Needs llguidance (no dependencies; cp39-abi3 manylinux_2_31 wheel, so any Python >= 3.9 on glibc >= 2.31).
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.
+# REPEATS (default 3): counted runs of each kind, medians reported; PROFILE=1 adds the host profile of each kind;
+# NUM_PROMPTS (default 1024) requests per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -18,5 +20,6 @@ case "${1:?json_object or schema}" in
 esac
 $PY scripts/bench_structured.py --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 \
   --max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256 --page_buckets 64 \
-  --num_prompts 1024 --output_len 256 --constraint "$1" --compilation_cache_dir /tmp/xla-cache \
+  --num_prompts "${NUM_PROMPTS:-1024}" --output_len 256 --constraint "$1" --compilation_cache_dir /tmp/xla-cache \
+  --repeats "${REPEATS:-3}" ${PROFILE:+--profile} \
   --out "$OUT/structured-h200-$1.json"

@@ -61,6 +61,9 @@ flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the tr
 flags.DEFINE_string("peers_python", "/work/peers-venv/bin/python", "cpu: an interpreter with llama-cpp-python "
                     "(empty: no llama.cpp row).")
 flags.DEFINE_integer("cpu_threads", 2, "cpu: threads the peers may use (this machine's cores).")
+flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache "
+                   "(the engine option; quantized weights on an H200 need 0.5 until the OOM noted in "
+                   "docs/benchmarks.md's issue-25 section is fixed).")
 flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
 F = flags.FLAGS
 
@@ -71,7 +74,8 @@ log = logging.getLogger("benchmark")
 
 def make_llm(**options):
     from jaxinfer import LLM
-    return LLM(F.model, **model_flags.load_options(), **model_flags.parallel_options(), **options)
+    return LLM(F.model, **model_flags.load_options(), **model_flags.parallel_options(),
+               kv_cache_memory_fraction=F.kv_cache_memory_fraction, **options)
 
 
 def random_prompts(rng, n, lengths, vocab):

@@ -32,7 +32,8 @@ flags.DEFINE_enum("speculative_method", None, ["ngram", "draft"], "Speculative d
 flags.DEFINE_string("speculative_model", None, "draft: a smaller model with the target's tokenizer (preset, Hugging "
                     "Face directory or .gguf), loaded like the target.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Tokens proposed per sequence and step (1..16).")
-flags.DEFINE_integer("ngram_min", 1, "Shortest n-gram the ngram proposer matches.")
+flags.DEFINE_integer("ngram_min", None, "Shortest n-gram the ngram proposer matches (default: the engine's, "
+                     "2 on CPU and 1 elsewhere).")
 flags.DEFINE_integer("ngram_max", 4, "Longest n-gram the ngram proposer matches (tried first).")
 flags.DEFINE_integer("speculative_max_num_seqs", 16, "Speculation pauses while more sequences than this run.")
 F = flags.FLAGS

@@ -262,6 +262,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x"}}}, 400, "response_format", "schema"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "json"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "additionalProperties": True}}}},
+     400, "response_format", "additionalProperties must be false"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"o": {
+            "type": "object", "additionalProperties": {"type": "string"}}}}}}]},
+     400, "tools", "additionalProperties must be false"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "[a-"}, 400, "guided_regex", "regex"),
     ("/v1/completions", {"prompt": "hi", "guided_grammar": "start: undefined_rule"}, 400, "guided_grammar", "grammar"),
     ("/v1/completions", {"prompt": "hi", "guided_json": "{not json"}, 400, "guided_json", "json"),
@@ -344,10 +351,27 @@ def chat(client, stream, **kw):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for tc in delta.tool_calls or ():
-            name, args = calls.get(tc.index, ("", ""))
-            calls[tc.index] = (name + (tc.function.name or ""), args + (tc.function.arguments or ""))
+            if tc.id is not None:  # OpenAI's opening delta of a call: id, type, name, arguments ""
+                assert tc.index not in calls and tc.type == "function" and tc.function.arguments == ""
+                calls[tc.index] = (tc.function.name, "")
+            else:  # then pieces of the arguments as they are generated
+                assert tc.function.name is None and tc.function.arguments
+                calls[tc.index] = (calls[tc.index][0], calls[tc.index][1] + tc.function.arguments)
+                STREAMED_PIECES[tc.index] = STREAMED_PIECES.get(tc.index, 0) + 1
         finish = chunk.choices[0].finish_reason or finish
     return content or None, [calls[k] for k in sorted(calls)], finish
+
+
+STREAMED_PIECES: dict[int, int] = {}  # argument deltas per call index, over the streamed chat() calls
+
+
+def chat_both_ways(client, **kw):
+    """chat() not streamed and streamed; the same greedy reply, the streamed arguments piece by piece."""
+    STREAMED_PIECES.clear()
+    whole, streamed = chat(client, False, **kw), chat(client, True, **kw)
+    assert streamed == whole
+    assert sorted(STREAMED_PIECES) == list(range(len(whole[1])))  # every call's arguments came as pieces
+    return whole
 
 
 def check_calls(calls, names=("get_weather", "get_time")):
@@ -372,30 +396,31 @@ def test_response_format(client):
     assert finish == "stop" and json.loads(content) in ({"ok": True}, {"ok": False})
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_tool_choice_required_and_named(client, stream):
-    """Required (streamed or not, then named the other way round): calls valid under their tool's schema."""
-    content, calls, finish = chat(client, stream, tools=TOOLS, tool_choice="required")
+def test_tool_choice_required_and_named(client):
+    """Required, then named: calls valid under their tool's schema, streamed as OpenAI streams them
+    and adding up to the same calls as not streamed."""
+    content, calls, finish = chat_both_ways(client, tools=TOOLS, tool_choice="required")
     assert finish == "tool_calls" and not content
+    # Pieces as tokens are generated (fewer only if this client read slower than the engine steps).
+    assert STREAMED_PIECES[0] > 1, STREAMED_PIECES
     check_calls(calls)
-    content, calls, finish = chat(client, not stream, tools=TOOLS, parallel_tool_calls=False,
-                                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    content, calls, finish = chat_both_ways(client, tools=TOOLS, parallel_tool_calls=False,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert finish == "tool_calls" and not content and len(calls) == 1
     check_calls(calls, names=("get_time",))
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_tool_choice_auto_parses_the_models_format(client, stream):
+def test_tool_choice_auto_parses_the_models_format(client):
     """Under "auto" the model writes Hermes tool calls itself. The 135M model rarely chooses to, so a
     regex holds its text to that format: what is tested is the parsing, content before the calls,
-    and the reply's shape, streamed and not."""
+    and the reply's shape, streamed (arguments as they are written) and not."""
     call = r'<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
-    content, calls, finish = chat(client, stream, tools=TOOLS, extra_body={"guided_regex": "One moment\\." + call})
+    content, calls, finish = chat_both_ways(client, tools=TOOLS, extra_body={"guided_regex": "One moment\\." + call})
     assert (content, finish) == ("One moment.", "tool_calls")
     check_calls(calls, names=("get_time",))
-    if stream:  # no call: all content, "<b" held back until it cannot be "<tool_call>", then sent
-        content, calls, finish = chat(client, stream, tools=TOOLS, extra_body={"guided_regex": "Sunny <b>today</b>"})
-        assert (content, calls, finish) == ("Sunny <b>today</b>", [], "stop")
+    # No call: all content, "<b" held back until it cannot be "<tool_call>", then sent.
+    content, calls, finish = chat(client, True, tools=TOOLS, extra_body={"guided_regex": "Sunny <b>today</b>"})
+    assert (content, calls, finish) == ("Sunny <b>today</b>", [], "stop")
 
 
 def test_guided_fields_on_completions(client):

@@ -229,3 +229,25 @@ def test_apply_bitmask_masks_exactly_the_cleared_bits():
     logits = rng.standard_normal((3, vocab)).astype(np.float32)
     out = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(words.view(np.int32))))
     np.testing.assert_array_equal(out, np.where(allowed, logits, -np.inf))
+
+
+def test_strict_schema_refuses_unlisted_keys(smollm2_tokenizer):
+    """OpenAI's ``strict``: llguidance (like JSON Schema) lets an object without ``additionalProperties``
+    take unlisted keys; under strict every object, nested and in ``$defs`` too, refuses them."""
+    from jaxinfer.server.constraints import strict_schema
+
+    item = {"type": "object", "properties": {"id": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/item"}, "b": {"type": "array", "items": item}},
+              "$defs": {"item": item}}
+    comp = ConstraintCompiler(smollm2_tokenizer)
+
+    def takes(s, text):
+        m = comp.matcher(StructuredOutputs(json=s))
+        ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        return m.try_consume_tokens(ids) == len(ids)
+
+    strict = strict_schema(schema, "response_format")
+    for text in ('{"a": {"id": 1}, "x": 1}', '{"a": {"id": 1, "x": 1}}', '{"b": [{"id": 1, "x": 1}]}'):
+        assert takes(schema, text) and not takes(strict, text), text
+    assert takes(strict, '{"a": {"id": 1}, "b": [{"id": 2}]}')
+    assert strict_schema(json.dumps(schema), "tools") == strict  # a schema given as JSON text

@@ -61,7 +61,8 @@ class EngineConfig:
       ``"draft"`` (greedy proposals of ``speculative_model``, a model with the target's tokenizer, run in
       its own engine with this config's sizes, dtype, load format and seed):
       up to ``num_speculative_tokens`` (1..16) proposed tokens per sequence are verified in one step,
-      matched against the last ``ngram_min..ngram_max`` tokens. Outputs are those without speculation
+      matched against the last ``ngram_min..ngram_max`` tokens (``ngram_min=None``: 2 on CPU, 1 elsewhere;
+      see ``batching.speculative.default_ngram_min``). Outputs are those without speculation
       (greedy: token-identical; sampling: the same distribution). Speculation is off for a step when
       more than ``speculative_max_num_seqs`` sequences run (where the step stops being memory-bound).
     """
@@ -95,7 +96,7 @@ class EngineConfig:
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
-    ngram_min: int = 1
+    ngram_min: int | None = None
     ngram_max: int = 4
     speculative_max_num_seqs: int = 16
 
@@ -156,13 +157,15 @@ def _check_speculative(c: EngineConfig) -> None:
 
     if c.speculative_method is not None and c.speculative_method not in METHODS:
         raise ValueError(f"speculative_method must be None or one of {METHODS}, got {c.speculative_method!r}")
-    for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs"):
+    for name in ("num_speculative_tokens", "ngram_max", "speculative_max_num_seqs"):
         _positive(name, getattr(c, name))
+    if c.ngram_min is not None:
+        _positive("ngram_min", c.ngram_min)
     if c.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                          f"got {c.num_speculative_tokens}")
     if (c.speculative_method == "draft") != (c.speculative_model is not None):
         raise ValueError("speculative_model must be given with speculative_method='draft', and only then; got "
                          f"speculative_method={c.speculative_method!r}, speculative_model={c.speculative_model!r}")
-    if c.ngram_min > c.ngram_max:
+    if c.ngram_min is not None and c.ngram_min > c.ngram_max:
         raise ValueError(f"ngram_min ({c.ngram_min}) must be <= ngram_max ({c.ngram_max})")

@@ -19,10 +19,10 @@ import numpy as np
 from jaxinfer.batching import multihost
 from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
-from jaxinfer.batching.structured import Matchers, bitmask_width, compiler_for
+from jaxinfer.batching.structured import Matchers, compiler_for
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import Sequence, Status
-from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft
+from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft, default_ngram_min
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
@@ -181,7 +181,8 @@ class LLMEngine:
             if multihost.active():
                 raise ValueError("speculative_method is not supported over several processes yet")
             if config.speculative_method == "ngram":
-                self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+                self.proposer = NgramProposer(config.ngram_min or default_ngram_min(backend, config.ngram_max),
+                                              config.ngram_max)
             else:
                 draft = LLMEngine(config.speculative_model, dataclasses.replace(
                     config, speculative_method=None, speculative_model=None, max_model_len=self.max_model_len,
@@ -283,18 +284,30 @@ class LLMEngine:
         inflight, self._inflight = self._inflight, None
         if batch.seqs and self._matchers and any(s.request_id in self._matchers for s in batch.seqs):
             # Constrained rows need their bitmask, which needs the last step's tokens: dispatch the
-            # forward pass, read the last step while it runs, then fill the bitmask and sample.
-            rows, sample_with = self.runner.run_forward(batch)
+            # forward pass; read the last step while it runs, its matchers advancing first so that the
+            # bitmask fills (off the GIL) while its tokens are turned into outputs; then sample.
+            sample = self.runner.run_forward(batch)
             sampled = self._dispatched(batch)
+            filling = None
+
+            def fill():  # every earlier step's tokens are read by now: the bitmask's buffer is free
+                nonlocal filling
+                rows = [(i, seq.request_id) for i in sampled if (seq := batch.seqs[i]).status is not Status.FINISHED
+                        and seq.request_id in self._matchers]
+                free = np.ones(sample.rows, bool)
+                free[[i for i, _ in rows]] = False
+                sample.bitmask[free] = -1  # every token allowed: rows of free requests, padding, prefill chunks
+                filling = self._matchers.fill(sample.bitmask, rows)
+
             host = time.perf_counter() - t0
             if inflight is not None:
-                outputs += self._read(*inflight)  # counts its own host time
+                outputs += self._read(*inflight, advanced=fill)  # counts its own host time
                 inflight = None
             t0 = time.perf_counter()
-            bitmask = np.full((rows, bitmask_width(self.model_config.vocab_size)), -1, np.int32)
-            self._matchers.fill(bitmask, [(i, batch.seqs[i].request_id) for i in sampled
-                                          if batch.seqs[i].status is not Status.FINISHED])
-            self._inflight = (batch, sample_with(bitmask), sampled)
+            if filling is None:
+                fill()
+            filling.result()
+            self._inflight = (batch, sample(), sampled)
             host += time.perf_counter() - t0
         else:
             if batch.seqs:
@@ -320,7 +333,11 @@ class LLMEngine:
     def _step_speculative(self) -> list[RequestOutput]:
         """One step that verifies proposals, run synchronously: proposals need every sequence's tokens on
         the host, so the step in flight (if any) is read first and this one's result before returning.
-        A sequence then advances by the number of proposals accepted plus one (``_read_verified``)."""
+        A sequence then advances by the number of proposals accepted plus one (``_read_verified``).
+
+        A step in which no sequence has proposals is a plain step, left in flight: the verifying variant
+        would still take ``k + 1`` logits rows per sequence (on XLA:CPU the lm_head of 5 rows cost a
+        batch-1 SmolLM2 step ~25% more than that of one)."""
         t0 = time.perf_counter()
         outputs = []
         if self._inflight is not None:
@@ -338,13 +355,15 @@ class LLMEngine:
         for seq, draft in zip(eligible, self.proposer.propose(eligible, limits) if eligible else []):
             seq.draft_token_ids = list(draft)
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return outputs
-        result = self.runner.run(batch, k)
-        sampled = self._dispatched(batch)
-        self.counters["spec_steps"] += 1
-        self.counters["host_time"] += time.perf_counter() - t0
-        outputs += self._read_verified(batch, result, sampled)
+        if any(s.draft_token_ids for s in batch.seqs):
+            result = self.runner.run(batch, k)
+            sampled = self._dispatched(batch)
+            self.counters["spec_steps"] += 1
+            self.counters["host_time"] += time.perf_counter() - t0
+            outputs += self._read_verified(batch, result, sampled)
+        elif batch.seqs:
+            self._inflight = (batch, self.runner.run(batch), self._dispatched(batch))
+            self.counters["host_time"] += time.perf_counter() - t0
         for seq in self.scheduler.running:  # proposals of sequences the budget left out of this step
             seq.draft_token_ids = []
         return outputs
@@ -376,14 +395,17 @@ class LLMEngine:
         self.counters["step_tokens"] += sum(batch.num_tokens)
         return sampled
 
-    def _read(self, batch, result, sampled: list[int]) -> list[RequestOutput]:
-        """Turn a finished step's sampled tokens into outputs (blocks until the device has them)."""
+    def _read(self, batch, result, sampled: list[int], advanced=None) -> list[RequestOutput]:
+        """Turn a finished step's sampled tokens into outputs (blocks until the device has them);
+        ``advanced`` is called once the constrained requests' matchers have taken their tokens."""
         tokens = np.asarray(result.tokens)
         t0 = time.perf_counter()
         logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
         # Constrained requests' matchers take their tokens; "complete": nothing but EOS may follow.
         complete = set() if not self._matchers else self._matchers.advance(
             [(batch.seqs[i].request_id, int(tokens[i])) for i in sampled if batch.seqs[i].status is not Status.FINISHED])
+        if advanced is not None:
+            advanced()
         outputs = []
         for i in sampled:
             seq = batch.seqs[i]

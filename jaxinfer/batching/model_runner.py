@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import threading
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +136,34 @@ def unpack_inputs(buf: jax.Array, packing: Packing):
     return jax.tree.unflatten(packing.treedef, leaves)
 
 
+class ConstrainedSample:
+    """The sampling half of a step with constrained sequences (``ModelRunner.run_forward``).
+
+    ``bitmask`` is the step's token bitmask ``[S, ceil(vocab/32)]`` (int32; bit ``t % 32`` of word
+    ``t // 32`` allows token t), a view into the step's one host transfer buffer, which steps of the
+    same shape reuse. The caller writes every row (all bits set where unconstrained) and then calls
+    this object to dispatch the sampling. Reuse is safe because the engine writes it only after
+    reading the tokens of every step dispatched before (their sampling, the buffer's last readers,
+    has finished; on CPU the device may read the host buffer in place)."""
+
+    def __init__(self, runner: "ModelRunner", logits, prev_tokens, sb, flags: dict, rows: int):
+        self._runner, self._logits, self._prev, self._flags = runner, logits, prev_tokens, flags
+        self.rows = rows
+        width = bitmask_width(runner.config.vocab_size)
+        # pack_inputs((sb, bitmask))'s layout, with the bitmask last: written in place, never copied
+        self._head, head = pack_inputs(sb)
+        self._packing = Packing(jax.tree.structure((sb, 0)), head.parts + (((rows, width), np.dtype(np.int32).str),))
+        self._buf = runner._sample_buffer(self._packing)
+        self.bitmask = self._buf[self._head.size:].reshape(rows, width)
+
+    def __call__(self) -> SampleResult:
+        self._buf[:self._head.size] = self._head
+        args = (self._logits, self._prev, self._buf)
+        runner = self._runner
+        result, runner.last_tokens = runner._compiled(runner._sample, args, self._packing, self._flags)(*args)
+        return result
+
+
 def _as_last_tokens(result: SampleResult, prev_tokens: jax.Array) -> jax.Array:
     """A step's sampled tokens padded to the largest sequence bucket, where the next step reads them."""
     return jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
@@ -152,6 +179,7 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.num_compilations = 0
         self.max_executables = max_executables
+        self._sample_buffers: dict[Packing, np.ndarray] = {}  # ConstrainedSample's, by layout
         self._executables: collections.OrderedDict = collections.OrderedDict()  # LRU: key -> compiled step
         self._compiling: dict = {}  # key -> Future of a compilation under way (warm-up's thread or a step)
         self._lock = threading.Lock()  # guards both maps
@@ -386,12 +414,11 @@ class ModelRunner:
         self.num_steps += 1
         return multihost.local_view(result) if self._multihost else result
 
-    def run_forward(self, batch: ScheduledBatch) -> tuple[int, Callable[[np.ndarray], SampleResult]]:
-        """Dispatch one step's forward pass only; returns its row count ``S`` and the function that
-        dispatches its sampling with a token bitmask ``[S, ceil(vocab/32)]`` (int32, all bits set
-        where unconstrained), to be called before any other step. Used by steps with constrained
-        sequences: the host fills the bitmask while the device runs the forward pass (one process
-        only: the engine refuses constrained requests over several)."""
+    def run_forward(self, batch: ScheduledBatch) -> ConstrainedSample:
+        """Dispatch one step's forward pass only; returns its sampling half, dispatched once the host
+        has written the step's token bitmask. Used by steps with constrained sequences: the host fills
+        the bitmask while the device runs the forward pass (one process only: the engine refuses
+        constrained requests over several)."""
         tokens, positions, md, sb, flags = self.prepare(batch)
         inputs, packing = pack_inputs((tokens, positions, md))
         args = (self.weights, self.cache, self.last_tokens, inputs)
@@ -400,15 +427,15 @@ class ModelRunner:
             cache = self._write(self.cache, *cache, md.slot_mapping)
         self.cache = cache
         self.num_steps += 1
-        prev = self.last_tokens
+        return ConstrainedSample(self, logits, self.last_tokens, sb, flags, md.page_table.shape[0])
 
-        def sample_with(bitmask: np.ndarray) -> SampleResult:
-            sample_inputs, sample_packing = pack_inputs((sb, bitmask))
-            sample_args = (logits, prev, sample_inputs)
-            result, self.last_tokens = self._compiled(self._sample, sample_args, sample_packing, flags)(*sample_args)
-            return result
-
-        return md.page_table.shape[0], sample_with
+    def _sample_buffer(self, packing: Packing) -> np.ndarray:
+        """The host transfer buffer of a sampling half with this layout, made once and reused: a new
+        one per step cost a 1.5 MB fill and a 1.5 MB copy at 256 sequences (``ConstrainedSample``)."""
+        buf = self._sample_buffers.get(packing)
+        if buf is None:
+            buf = self._sample_buffers[packing] = np.empty(sum(int(np.prod(s)) for s, _ in packing.parts), np.int32)
+        return buf
 
     def follow(self) -> None:
         """A follower process of a multi-process run: run the steps process 0 sends until it stops."""

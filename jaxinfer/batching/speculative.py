@@ -27,6 +27,18 @@ class Proposer(Protocol):
         """At most ``limits[i]`` tokens proposed to follow ``seqs[i].token_ids`` (possibly none)."""
 
 
+def default_ngram_min(backend: str, ngram_max: int) -> int:
+    """The shortest n-gram worth proposing from where ``ngram_min`` is not given: 2 on CPU, 1 elsewhere.
+
+    Proposing pays when the tokens a step is expected to accept exceed the verify step's extra cost,
+    in plain decode steps. On XLA:CPU a batch-1 verify step costs ~2 plain ones whatever k (the
+    matmuls of 2+ query tokens leave the matrix-vector path), and over the input-grounded prompts of
+    ``tests/data/spec_prompts.json`` (SmolLM2, k = 4) a 1-token match's proposals were accepted 0.7
+    tokens on average (2-token: 1.4; 4-token: 3.6), so they cost more than they gained. On an H200 a
+    batch-1 verify step of k = 4 costs 1.14 plain ones (docs/benchmarks.md, issue 26), so they pay."""
+    return min(ngram_max, 2 if backend == "cpu" else 1)
+
+
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last ``n`` tokens (longest
     ``n`` in ``[ngram_min, ngram_max]`` first) in its own prompt and output, and propose the tokens

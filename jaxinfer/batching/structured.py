@@ -29,14 +29,17 @@ needs PyTorch in a JAX engine.
 
 Overlap: the bitmask of a constrained sequence at step N+1 depends on the token it sampled at step
 N. The engine dispatches step N+1's forward pass first (its input token is read on device), then
-reads step N's tokens, advances the matchers and fills the bitmask while the device computes, and
-dispatches the sampling last (``ModelRunner.run_forward``). A step without constrained sequences
-runs the fused step it always did and sends no bitmask.
+reads step N's tokens and advances the matchers (``consume_token_par``); llguidance then fills the
+bitmask from a background thread, without the GIL, while the main thread turns step N's tokens into
+outputs (detokenizing, stop strings); the sampling goes last, its bitmask written in place into the
+step's reused host transfer buffer (``ModelRunner.run_forward``). A step without constrained
+sequences runs the fused step it always did and sends no bitmask.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import threading
 import time
@@ -163,6 +166,7 @@ class Matchers:
         self.compiler = compiler
         self._by_request: dict[str, object] = {}
         self._executor = llguidance.LLExecutor()
+        self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitmask")
 
     def add(self, request_id: str, structured: StructuredOutputs) -> None:
         self._by_request[request_id] = self.compiler.matcher(structured)
@@ -191,11 +195,28 @@ class Matchers:
                                    f"(the bitmask should have excluded it): {m.get_error()}")
         return {rid for m, _, rid in pairs if m.is_stopped()}
 
-    def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> None:
-        """Write the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32, C
-        order), in parallel over llguidance's threads; other rows stay as they are (all allowed)."""
+    def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> concurrent.futures.Future:
+        """Start writing the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32,
+        C order; other rows are left as they are) over llguidance's threads, and return the future to
+        wait on before the bitmask is sent; the matchers must not advance until then. A background
+        thread makes the call, which holds no GIL while it runs, so the caller's Python work (turning
+        the last step's tokens into outputs) runs meanwhile."""
         import llguidance.numpy
 
         pairs = [(self._by_request[rid], row) for row, rid in rows if rid in self._by_request]
-        if pairs:
+        if not pairs:  # llguidance refuses an empty batch
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        started = threading.Event()
+
+        def fill():
+            started.set()
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+
+        future = self._filler.submit(fill)
+        # Wait (without the GIL) until the thread runs: were the caller to go on with Python at once,
+        # the thread would wait for the GIL up to the interpreter's switch interval (5 ms), longer
+        # than the work it is meant to overlap. Once inside llguidance it holds no GIL.
+        started.wait()
+        return future

@@ -75,10 +75,16 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     key_pos = jnp.arange(ctx, dtype=jnp.int32)
 
+    # With one sequence (a batch-1 step) every query reads the same context: no per-query copy of it.
+    # A batch-1 verify step (speculative decoding: last token + k proposals) copied it k + 1 times per
+    # layer where a decode step copies it once (docs/benchmarks.md, issue 26).
+    one = num_seqs == 1
+    ctx_of = "ckd" if one else "bckd"
+
     def attend(args):
         qb, sb, pb, vb = args  # [B, KVH, G, D], [B], [B], [B]
-        kb, vvb = k_seq[sb], v_seq[sb]  # [B, ctx, KVH, D]
-        s = jnp.einsum("bkgd,bckd->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32),
+        kb, vvb = (k_seq[0], v_seq[0]) if one else (k_seq[sb], v_seq[sb])  # [(B,) ctx, KVH, D]
+        s = jnp.einsum(f"bkgd,{ctx_of}->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -90,7 +96,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum("bkgc,bckd->bkgd", p, vvb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        out = jnp.einsum(f"bkgc,{ctx_of}->bkgd", p, vvb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)
         return out.astype(q.dtype)
 

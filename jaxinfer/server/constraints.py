@@ -6,6 +6,7 @@ the field and costs the engine nothing."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from jaxinfer.batching.structured import compile_constraint
 from jaxinfer.sampling_params import StructuredOutputs
@@ -39,7 +40,8 @@ def _requested(req) -> list[tuple[str, StructuredOutputs]]:
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema",
                            param="response_format")
-        add("response_format", json=fmt.json_schema.schema_)
+        schema = fmt.json_schema.schema_
+        add("response_format", json=strict_schema(schema, "response_format") if fmt.json_schema.strict else schema)
     for param, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
         if getattr(req, param) is not None:
             add(param, **{kind: getattr(req, param)})
@@ -54,9 +56,53 @@ def _requested(req) -> list[tuple[str, StructuredOutputs]]:
     return found
 
 
+def strict_schema(schema, param: str):
+    """``schema`` under OpenAI's ``strict: true``: properties not listed are forbidden, so every object
+    schema in it gets ``additionalProperties: false``; one that allows more (``true`` or a schema) is a
+    400, as OpenAI answers it. (JSON Schema's and llguidance's default is to allow them.) A schema
+    given as JSON text is parsed first; a non-object is left for the compiler to refuse."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return schema
+
+    def walk(node, where: str):
+        if isinstance(node, list):
+            return [walk(n, f"{where}[{i}]") for i, n in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        if "allOf" in node:  # its parts, each closed to the others' properties, would admit no object at all
+            raise APIError(400, f"{param}: allOf is not supported with strict ({where or 'the schema'}); merge "
+                                "its parts into one object schema", param=param, code="invalid_schema")
+        out = {k: walk(v, f"{where}.{k}") if k in _SUBSCHEMAS else
+               {name: walk(sub, f"{where}.{k}.{name}") for name, sub in v.items()} if k in _SCHEMA_MAPS and
+               isinstance(v, dict) else v for k, v in node.items()}
+        types = node.get("type")
+        if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in node:
+            extra = node.get("additionalProperties", False)
+            if extra is not False:
+                raise APIError(400, f"{param}: with strict, additionalProperties must be false (properties not "
+                                    f"listed are not allowed); {where or 'the schema'} sets it to "
+                                    f"{json.dumps(extra)}", param=param, code="invalid_schema")
+            out["additionalProperties"] = False
+        return out
+
+    return walk(schema, "")
+
+
+# Keywords whose value is a schema or a list of schemas, and those whose value maps names to schemas.
+_SUBSCHEMAS = frozenset({"items", "prefixItems", "additionalItems", "contains", "anyOf", "oneOf", "not",
+                         "if", "then", "else", "additionalProperties", "unevaluatedProperties", "propertyNames"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
 def tool_plan(req) -> ToolPlan:
-    """The request's tool use, checked against its tools (a 400 naming the field if inconsistent)."""
+    """The request's tool use, checked against its tools (a 400 naming the field if inconsistent,
+    including a ``strict`` function whose parameters allow unlisted properties)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    for tool in tools:
+        _parameters(tool)
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, str):
         if choice in ("auto", "required") and not tools:
@@ -72,14 +118,22 @@ def tool_plan(req) -> ToolPlan:
 def tool_call_schema(plan: ToolPlan) -> dict:
     """The JSON schema a forced tool call is generated under. Named: the function's arguments object.
     Required: {"name", "arguments"} for one of the tools (anyOf), a non-empty array of them when
-    parallel calls are allowed."""
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in plan.tools}
+    parallel calls are allowed. A ``strict`` function's arguments allow no unlisted properties."""
+    params = {t["function"]["name"]: _parameters(t) for t in plan.tools}
     if plan.mode == "named":
         return params[plan.named]
     one = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for name, schema in params.items()]}
     return {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
+
+
+def _parameters(tool: dict) -> dict:
+    """The schema a call of ``tool`` is generated under: its parameters, made strict if it says so
+    (the chat template still renders the parameters as given)."""
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object"}
+    return strict_schema(params, "tools") if fn.get("strict") else params
 
 
 def request_constraint(req, tokenizer, plan: ToolPlan | None = None) -> StructuredOutputs | None:

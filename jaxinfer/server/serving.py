@@ -184,7 +184,8 @@ class OpenAIServing:
                     if out.finished:
                         finals.append(out)
                     if out.delta_text or out.finished or (out.logprobs is not None and out.delta_token_ids):
-                        yield event([render.delta(index[out.request_id], out)])
+                        for choice in render.delta(index[out.request_id], out):
+                            yield event([choice])
             if include_usage and sub.done:
                 yield event([], _usage(job, finals))
         except APIError as e:
@@ -259,6 +260,10 @@ def _json_or_text(text: str):
         return text
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _is_ids(prompt) -> bool:
     return all(isinstance(t, int) for t in prompt)  # [] too: one empty prompt, rejected by encode
 
@@ -284,10 +289,10 @@ class _CompletionRenderer(_Renderer):
         return {"index": i, "text": out.text, "logprobs": self._logprobs(i, out.token_ids, out.logprobs),
                 "finish_reason": out.finish_reason}
 
-    def delta(self, i: int, out: RequestOutput) -> dict:
+    def delta(self, i: int, out: RequestOutput) -> list[dict]:
         lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
-        return {"index": i, "text": out.delta_text, "logprobs": self._logprobs(i, out.delta_token_ids, lps),
-                "finish_reason": out.finish_reason}
+        return [{"index": i, "text": out.delta_text, "logprobs": self._logprobs(i, out.delta_token_ids, lps),
+                 "finish_reason": out.finish_reason}]
 
     def _logprobs(self, i: int, ids: list[int], lps) -> dict | None:
         if lps is None:
@@ -303,10 +308,16 @@ class _CompletionRenderer(_Renderer):
 
 
 class _ChatRenderer(_Renderer):
-    """Chat choices and deltas. With tools in play the reply may be tool calls: a forced call (tool_choice
-    required or named) is JSON throughout and is sent as ``tool_calls`` once complete; under ``auto``
-    text before the parser's marker streams as content and the calls after it are sent when the choice
-    finishes (one delta per call, arguments whole)."""
+    """Chat choices and deltas. With tools in play the reply may be tool calls. A forced call
+    (tool_choice required or named) is JSON throughout; under ``auto`` text before the parser's marker
+    streams as content. Streamed, a call is sent as OpenAI does: once its name is known a delta with
+    ``index``, ``id``, ``type``, ``function.name`` and ``function.arguments: ""``, then deltas with
+    pieces of ``function.arguments`` as they are generated (``tool_parsers.forced_calls`` and
+    ``ToolParser.partial_calls`` find them). Calls in a form those do not follow as they grow (a
+    Hermes call written arguments first, the Llama 3 and Mistral formats) are sent whole when the
+    choice finishes. A choice cut short (``max_tokens``, a stop string) inside a call leaves that
+    call's arguments incomplete, with ``finish_reason`` saying why it stopped; not streamed, such
+    a reply is plain content."""
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
@@ -315,6 +326,12 @@ class _ChatRenderer(_Renderer):
         self.plan, self.parser = plan, parser
         self._text: dict[int, str] = {}
         self._sent: dict[int, int] = {}  # characters of _text sent as content
+        self._streamed: dict[int, dict[int, list[str]]] = {}  # choice -> call index -> [id, arguments sent]
+
+    def _partial(self, text: str) -> list[tuple[int, str, int, int | None]]:
+        if self.plan.mode == "auto":
+            return self.parser.partial_calls(text)
+        return tool_parsers.forced_calls(text, self.plan.named if self.plan.mode == "named" else None)
 
     def _calls(self, text: str) -> tuple[str | None, list[dict], int]:
         """(content, calls, where the calls begin in text); no calls -> (text, [], len(text))."""
@@ -327,47 +344,66 @@ class _ChatRenderer(_Renderer):
                 obj = json.loads(text)
                 objs = ([{"name": self.plan.named, "arguments": obj}] if mode == "named"
                         else obj if isinstance(obj, list) else [obj])
-                return None, [tool_parsers.to_call(o) for o in objs], 0
+                calls = [tool_parsers.to_call(o) for o in objs]
+                return None, tool_parsers.with_raw_arguments(text, calls, self._partial(text)), 0
             except (ValueError, TypeError):  # cut short by max_tokens or a stop string
                 pass
         return text, [], len(text)
-
-    @staticmethod
-    def _tool_calls(calls: list[dict], indexed: bool = False) -> list[dict]:
-        return [{**({"index": k} if indexed else {}), "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": call} for k, call in enumerate(calls)]
 
     def choice(self, i: int, out: RequestOutput) -> dict:
         content, calls, _ = self._calls(out.text)
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = self._tool_calls(calls)
+            message["tool_calls"] = [{"id": _call_id(), "type": "function", "function": call} for call in calls]
         return {"index": i, "message": message, "logprobs": self._logprobs(out.token_ids, out.logprobs),
                 "finish_reason": "tool_calls" if calls else out.finish_reason}
 
     def first_chunk(self, i: int) -> dict:
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, i: int, out: RequestOutput) -> dict:
+    def delta(self, i: int, out: RequestOutput) -> list[dict]:
+        """One chunk's choice for the content, then one per tool-call delta (the last carries
+        ``finish_reason``)."""
         lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
         logprobs = self._logprobs(out.delta_token_ids, lps)
         if self.plan.mode == "none":
-            return {"index": i, "delta": {"content": out.delta_text} if out.delta_text else {},
-                    "logprobs": logprobs, "finish_reason": out.finish_reason}
+            return [{"index": i, "delta": {"content": out.delta_text} if out.delta_text else {},
+                     "logprobs": logprobs, "finish_reason": out.finish_reason}]
         text = self._text[i] = self._text.get(i, "") + out.delta_text
         sent = self._sent.get(i, 0)
+        streamed = self._streamed.setdefault(i, {})
+        entries = [e for k, name, a, b in self._partial(text)
+                   for e in self._call_deltas(streamed, k, name, text[a:b] if b is not None else text[a:])]
+        finish = None
         if not out.finished:
             upto = self.parser.streamable(text) if self.plan.mode == "auto" else 0
+            content = text[sent:upto] if upto > sent else ""
             self._sent[i] = max(sent, upto)
-            return {"index": i, "delta": {"content": text[sent:upto]} if upto > sent else {},
-                    "logprobs": logprobs, "finish_reason": None}
-        _, calls, start = self._calls(text)
-        rest = text[sent:start].rstrip() if calls else text[sent:]
-        delta = {"content": rest} if rest else {}
-        if calls:
-            delta["tool_calls"] = self._tool_calls(calls, indexed=True)
-        return {"index": i, "delta": delta, "logprobs": logprobs,
-                "finish_reason": "tool_calls" if calls else out.finish_reason}
+        else:
+            _, calls, start = self._calls(text)
+            entries += [e for k, call in enumerate(calls)
+                        for e in self._call_deltas(streamed, k, call["name"], call["arguments"])]
+            # Cut short inside a call that was being streamed: its pieces stand; the text is not content.
+            content = text[sent:start].rstrip() if calls else "" if streamed else text[sent:]
+            finish = "tool_calls" if calls else out.finish_reason
+        deltas = ([{"content": content}] if content else []) + [{"tool_calls": [e]} for e in entries] or [{}]
+        return [{"index": i, "delta": d, "logprobs": logprobs if j == 0 else None,
+                 "finish_reason": finish if j == len(deltas) - 1 else None} for j, d in enumerate(deltas)]
+
+    @staticmethod
+    def _call_deltas(streamed: dict[int, list[str]], k: int, name: str, arguments: str) -> list[dict]:
+        """The deltas that bring call ``k`` up to ``arguments`` (its text so far): its opening delta if
+        not yet sent, then the piece of arguments not yet sent."""
+        out = []
+        if k not in streamed:
+            streamed[k] = [_call_id(), ""]
+            out.append({"index": k, "id": streamed[k][0], "type": "function",
+                        "function": {"name": name, "arguments": ""}})
+        done = streamed[k][1]
+        if len(arguments) > len(done) and arguments.startswith(done):
+            streamed[k][1] = arguments
+            out.append({"index": k, "function": {"arguments": arguments[len(done):]}})
+        return out
 
     def _entry(self, token: int, logprob: float) -> dict:
         s = self._decode(token)
