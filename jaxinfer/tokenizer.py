@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import numbers
@@ -27,16 +28,44 @@ def load_tokenizer(source: ModelSource):
     """A ``transformers`` tokenizer for ``source``, or None for a preset without files."""
     if source.kind == "preset":
         return None
-    cached = _gguf_tokenizer_cache(source.path) if source.kind == "gguf" else None
-    if cached and os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return _saved_class(cached).from_pretrained(cached, local_files_only=True)
+    if source.kind == "gguf":
+        cached = _gguf_tokenizer_cache(source.path)
+        # The server's two processes start together: one converts, the other waits and reads the result.
+        with _locked(cached):
+            if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+                return _saved_class(cached).from_pretrained(cached, local_files_only=True)
+            return _convert_gguf_tokenizer(source, cached)
     from transformers import AutoTokenizer
 
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
-    if source.kind == "orbax":
-        path = os.path.join(source.path, CONVERTED_TOKENIZER_DIR)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True) if os.path.isdir(path) else None
+    path = os.path.join(source.path, CONVERTED_TOKENIZER_DIR)  # orbax
+    return AutoTokenizer.from_pretrained(path, local_files_only=True) if os.path.isdir(path) else None
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock on ``path + ".lock"`` for the block (none where it cannot be made)."""
+    try:
+        import fcntl
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path + ".lock", "w")
+    except (ImportError, OSError):
+        f = None
+    try:
+        if f is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+    finally:
+        if f is not None:
+            f.close()  # releases the lock
+
+
+def _convert_gguf_tokenizer(source: ModelSource, cached: str):
+    """transformers' tokenizer converted from the GGUF's vocabulary, saved at ``cached``."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path),
                                         local_files_only=True)
     if not tok.chat_template:

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -415,7 +416,9 @@ def _write_cache(path: str, write) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write(tmp)
         os.replace(tmp, path)
-    except OSError as e:
+    except OSError as e:  # unwritable, or another process wrote it first
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
         logging.getLogger(__name__).warning("could not cache %s: %s", path, e)
 
 
