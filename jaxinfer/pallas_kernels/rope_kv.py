@@ -71,7 +71,6 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, *ref
     bias_ref = refs.pop(0) if has_bias else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     _k, _v, q_ref, k_ref, v_ref = refs
-    quantized = isinstance(k_ref, tuple)
     t, g = pl.program_id(0), pl.program_id(1)
     half = qkv_ref.shape[1]
     heads = num_heads + 2 * num_kv_heads
