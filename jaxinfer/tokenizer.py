@@ -10,7 +10,7 @@ import os
 from typing import Sequence
 
 from jaxinfer.models.weights import ModelSource, gguf_reader, read_gguf_metadata
-from jaxinfer.user_cache import user_cache_dir
+from jaxinfer.user_cache import derived_from
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,9 @@ def load_tokenizer(source: ModelSource):
     if source.kind == "preset":
         return None
     if source.kind == "gguf":
-        cached = _gguf_tokenizer_cache(source.path)
+        # transformers rebuilds it from the GGUF's vocabulary in ~4.5 s (the embedded model); a saved
+        # one loads in a fraction of that.
+        cached = derived_from(source.path, "tokenizers")
         # The server's two processes start together: one converts, the other waits and reads the result.
         with _locked(cached):
             if os.path.isfile(os.path.join(cached, "tokenizer.json")):
@@ -88,15 +90,6 @@ def _saved_class(path: str):
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         name = json.load(f).get("tokenizer_class")
     return (getattr(transformers, name, None) if name else None) or transformers.AutoTokenizer
-
-
-def _gguf_tokenizer_cache(path: str) -> str:
-    """Where the tokenizer converted from the GGUF at ``path`` is kept: transformers rebuilds it
-    from the GGUF's vocabulary in ~4.5 s (the embedded model), a saved one loads in a fraction of
-    that. Keyed by the file's name, size and modification time, so a changed file converts again."""
-    st = os.stat(path)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return user_cache_dir("tokenizers", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
 
 
 def apply_chat_template(tokenizer, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,

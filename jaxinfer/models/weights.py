@@ -39,7 +39,7 @@ from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, chec
 from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device,
                             with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
-from jaxinfer.user_cache import user_cache_dir
+from jaxinfer.user_cache import derived_from
 
 LOAD_FORMATS = ("auto", "dummy")
 # "none": full precision; "gguf": a GGUF file's blocks as they are; the rest: quantized at load.
@@ -113,7 +113,7 @@ def load_config(source: ModelSource) -> ModelConfig:
         with open(os.path.join(source.path, "config.json")) as f:
             return ModelConfig.from_hf_config(json.load(f))
     if source.kind == "gguf":
-        cached = os.path.join(_gguf_cache(source.path), "config.json")
+        cached = os.path.join(derived_from(source.path, "gguf"), "config.json")
         if os.path.isfile(cached):
             with open(cached) as f:
                 return _config_from_json(json.load(f))
@@ -402,13 +402,6 @@ def _gguf_config(reader) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(md)
 
 
-def _gguf_cache(path: str) -> str:
-    """Where what is derived from the GGUF file at ``path`` is kept (its config, its float32
-    weights), keyed by the file's name, size and modification time: a changed file derives again."""
-    st = os.stat(path)
-    return user_cache_dir("gguf", f"{os.path.basename(path)}-{st.st_size}-{st.st_mtime_ns}")
-
-
 def _write_cache(path: str, write) -> None:
     """``write(tmp)`` then an atomic rename to ``path``; a cache that cannot be written is skipped."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -427,7 +420,7 @@ def _dequantized_gguf(path: str, config: ModelConfig) -> Weights:
     (~3 s for SmolLM2: GGUFReader walks its 49,152-token vocabulary) and dequantizing (~3 s) were
     a third of the server's start-up on the 2-core CPU; the saved arrays are memory-mapped instead.
     Per-layer arrays (the layout ``_load_gguf`` gives), one ``.npy`` per leaf."""
-    folder = os.path.join(_gguf_cache(path), "float32")
+    folder = os.path.join(derived_from(path, "gguf"), "float32")
     structure = jax.tree.structure(abstract_weights(config.replace(layer_loop="unroll")))
     if os.path.isdir(folder):
         leaves = [np.load(os.path.join(folder, f"{i}.npy"), mmap_mode="r") for i in range(structure.num_leaves)]
