@@ -24,7 +24,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from absl import app, flags
 
 import engine_flags  # scripts/ is on sys.path when run as a script
 import model_flags
+from server_launch import free_port, wait_healthy
 
 flags.adopt_module_key_flags(model_flags)
 flags.adopt_module_key_flags(engine_flags)
@@ -249,31 +249,20 @@ class LaunchedServer:
     """scripts/serve.py with this run's model and engine flags, on a free port."""
 
     def __init__(self, max_waiting: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
         cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--port={port}",
                f"--max_waiting={max_waiting}", *engine_flags.command_line(),
                *(["--warmup_structured"] if F.response_format else [])]
         print("launching:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
-        t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = t0 + F.launch_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.startup_s = time.monotonic() - t0  # load + compile (or cache reads) until healthy
-                    print(f"server healthy after {self.startup_s:.1f}s", flush=True)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy after {F.launch_timeout:.0f}s:\n{self.tail()}")
+        try:  # load + compile (or cache reads) until healthy
+            self.startup_s = wait_healthy(self.proc, self.url, F.launch_timeout, self.tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        print(f"server healthy after {self.startup_s:.1f}s", flush=True)
 
     def tail(self, n: int = 3000) -> str:
         with open(self.log.name) as f:

@@ -409,29 +409,19 @@ def start_up(cache_home: str) -> dict:
     loading and of compiling. The server is stopped after."""
     import re
     import signal
-    import socket
-    import httpx
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from server_launch import free_port, wait_healthy
+    port = free_port()
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
     env = dict(os.environ, XDG_CACHE_HOME=cache_home)
     with tempfile.TemporaryFile("w+") as logf:
-        t0 = time.perf_counter()
+        def tail():
+            logf.seek(0)
+            return logf.read()[-3000:]
+
         proc = subprocess.Popen([sys.executable, script, f"--model={F.model}", f"--port={port}"], env=env,
                                 stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while True:
-                if proc.poll() is not None:
-                    logf.seek(0)
-                    raise RuntimeError(f"serve.py exited with {proc.returncode}: {logf.read()[-3000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
-            health_s = time.perf_counter() - t0
+            health_s = wait_healthy(proc, f"http://127.0.0.1:{port}", 1800.0, tail)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
