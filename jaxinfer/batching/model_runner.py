@@ -466,9 +466,9 @@ class ModelRunner:
         ``num_speculative``: also each step's verifying variant (``prepare(batch, num_speculative)``).
 
         ``background``: compile only ``first_steps`` now and the rest of the plan in a daemon thread
-        (``wait_warmup`` joins it), so a server can answer while most shapes still compile: the
-        SmolLM2 server's 40 steps took 47 s from an empty compilation cache and 15 s from a filled
-        one on the 2-core CPU, nearly all of start-up (docs/benchmarks.md, issue 22)."""
+        (``wait_warmup`` joins it), so a server can answer while most shapes still compile: compiling
+        every step was nearly all of the SmolLM2 server's start-up on the 2-core CPU (40 steps: 47 s
+        from an empty compilation cache, 15 s from a filled one; docs/benchmarks.md, issue 22)."""
         plan = self.warmup_plan(shapes, greedy_only)
         count = len(plan) * (2 if num_speculative else 1) + (
             len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan}) if structured else 0)
