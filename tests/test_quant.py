@@ -255,3 +255,37 @@ def test_engine_runs_dummy_weights_quantized_at_load(scheme, loop):
     a, b = full.generate([[5, 6, 7, 8]], params)[0], quant.generate([[5, 6, 7, 8]], params)[0]
     assert len(b.token_ids) == 4
     assert max(b.logprobs[0].values()) == pytest.approx(max(a.logprobs[0].values()), abs=0.2)
+
+
+def test_dummy_weights_are_quantized_leaf_by_leaf(monkeypatch):
+    """``load_format="dummy"`` with a scheme quantizes each leaf as it is made (so the device never
+    holds the whole float model next to the quantized one: the allocator hole that left the KV pool
+    no contiguous room on the H200), and gets exactly what quantizing the finished float weights gives."""
+    from jaxinfer.models.spec import init_dummy_weights
+    from jaxinfer.models.weights import load_model, quantize_weights
+
+    config, got = load_model("tiny-llama3", load_format="dummy", quantization="int8", seed=3, layer_loop="unroll")
+    want = quantize_weights(init_dummy_weights(config, jax.random.key(3), jnp.float32), config, "int8")
+    is_q = lambda x: isinstance(x, QArray)
+    assert jax.tree.structure(got, is_leaf=is_q) == jax.tree.structure(want, is_leaf=is_q)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+    import jaxinfer.models.weights as weights_module
+    def float_matrices():  # alive anywhere (the embedding and other tests' arrays are the baseline)
+        return sum(a.ndim == 2 and min(a.shape) > 1 and a.dtype == jnp.float32 for a in jax.live_arrays())
+
+    seen = []
+
+    def counting_quantize(x, scheme):
+        seen.append(float_matrices())
+        return quantize(x, scheme)
+
+    monkeypatch.setattr(weights_module, "quantize", counting_quantize)
+    del want
+    base = float_matrices() + 1  # and the embedding made first
+    load_model("tiny-llama3", load_format="dummy", quantization="int8", seed=3, layer_loop="unroll")
+    # one call per layer leaf and the lm_head, with at most one float matrix alive (quantizing the
+    # finished float weights had all of them alive: 8 here)
+    assert len(seen) == 4 * config.num_layers + 1 and max(seen) - base <= 1, (base, seen)

@@ -116,19 +116,27 @@ def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
     return dataclasses.replace(weights, layers=layers)
 
 
-def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Weights:
+def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32, finish=None) -> Weights:
     """Random weights of the spec's shapes (``load_format="dummy"``), scaled so activations stay O(1);
-    norm gains are ones and biases zeros, so nothing is folded."""
+    norm gains are ones and biases zeros, so nothing is folded.
+
+    ``finish(spec, leaf)``, if given, replaces each leaf as soon as it is made (quantization at load):
+    only one float leaf is alive at a time. Quantizing the finished float weights instead left a
+    hole of their size below the quantized ones in the device allocator, and the KV pool sized to
+    the free bytes then found no contiguous room for its second array (llama3-8b int8 on an H200:
+    out of memory at the first decode step)."""
     spec = param_spec(config)
     keys = iter(jax.random.split(key, len(spec.globals) + len(spec.layer) * config.num_layers))
 
     def make(s: ParamSpec):
         k = next(keys)
         if s.init == "ones":
-            return jnp.ones(s.shape, dtype)
-        if s.init == "zeros":
-            return jnp.zeros(s.shape, dtype)
-        return (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.fan_in)).astype(dtype)
+            x = jnp.ones(s.shape, dtype)
+        elif s.init == "zeros":
+            x = jnp.zeros(s.shape, dtype)
+        else:
+            x = (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.fan_in)).astype(dtype)
+        return x if finish is None else finish(s, x)
 
     glob = {name: make(s) for name, s in spec.globals.items()}
     layers = [{name: make(s) for name, s in spec.layer.items()} for _ in range(config.num_layers)]

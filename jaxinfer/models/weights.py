@@ -157,8 +157,8 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     if load_format == "dummy":
         if mesh is not None:
             return config, sharding.dummy_weights(config, jax.random.key(seed), dtype, mesh)
-        weights = init_dummy_weights(config, jax.random.key(seed), dtype)
-        return config, weights if scheme is None else quantize_weights(weights, config, scheme)
+        finish = None if scheme is None else (lambda s, x: quantize(x, scheme) if s.quantizable else x)
+        return config, init_dummy_weights(config, jax.random.key(seed), dtype, finish)
     if source.kind == "preset":
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
                          "(config.json + *.safetensors) or load_format='dummy'")
