@@ -65,15 +65,15 @@ def chained(matvec, chain: int):
     return jax.jit(run)
 
 
-def configs(out: int, n_in: int, bits: int, group: int, extra: int) -> list[dict]:
+def configs(out: int, n_in: int, bits: int, extra: int) -> list[dict]:
     """The default blocks and up to ``extra`` variations of them (rows, tile width, splits, warps)."""
-    d = default_blocks(out, n_in, bits, group)
+    d = default_blocks(out, n_in, bits)
     d = dict(d, num_warps=4, num_stages=3)
-    variants = [dict(d, block_rows=d["block_rows"] * 2, split_k=max(1, d["split_k"] // 2)),
-                dict(d, block_groups=d["block_groups"] * 2, num_warps=8),
-                dict(d, block_rows=max(8, d["block_rows"] // 2), split_k=d["split_k"] * 2),
+    variants = [dict(d, block_rows=d["block_rows"] * 2, split_k=max(1, d["split_k"] // 2), num_warps=8),
+                dict(d, block_chunks=d["block_chunks"] * 2, num_stages=1),
                 dict(d, num_stages=1),
-                dict(d, block_groups=max(1, d["block_groups"] // 2), num_warps=2)]
+                dict(d, block_rows=max(8, d["block_rows"] // 2), split_k=d["split_k"] * 2),
+                dict(d, block_chunks=max(1, d["block_chunks"] // 2), num_warps=8)]
     return [d] + variants[:extra]
 
 
@@ -84,7 +84,7 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, of {list(SCHEMES)}")
     p.add_argument("--configs", type=int, default=2, help="block configurations tried beside the default (0-5)")
-    p.add_argument("--chain", type=int, default=20, help="serial calls per timed jit call")
+    p.add_argument("--chain", type=int, default=10, help="serial calls per timed jit call")
     p.add_argument("--reps", type=int, default=5)
     F = p.parse_args()
     t_start = time.perf_counter()
@@ -112,7 +112,7 @@ def main():
             w = random_qarray(jax.random.fold_in(key, hash(scheme) % 1000), out, n_in, scheme)
             nbytes = sum(a.nbytes for a in (w.values, w.scales, w.offsets) if a is not None)
             tried = []
-            for cfg in configs(out, n_in, w.format.bits, w.group_size, F.configs):
+            for cfg in configs(out, n_in, w.format.bits, F.configs):
                 try:
                     us = time_us(lambda a, ww, cfg=cfg: kernel_matvec(a, ww, jnp.bfloat16, **cfg), xs, w)
                 except Exception as e:  # a block choice Triton cannot compile: reported, not fatal

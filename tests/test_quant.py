@@ -120,9 +120,9 @@ def _kernel_weight(rng, scheme: str, out: int, din: int) -> QArray:
 def test_matvec_kernel_matches_dequantize_then_matmul(monkeypatch, scheme, din, tokens, dtype, gain):
     """``qlinear`` of a few tokens on a GPU goes to the Pallas kernel (interpreted here) for every
     format it takes, and equals dequantize-then-matmul: 45 rows (not a multiple of the 16-row blocks),
-    odd group counts (3, 5, 7, 9), tiles of 2 groups (a partial last tile) split in two along ``in``
+    odd group counts (3, 5, 7, 9), tiles of 2 16-byte chunks (a partial last tile) split in two along ``in``
     (each split's partial summed after), an explicit norm gain or none, bf16 and float32 activations."""
-    calls = _gpu_with_interpreted_kernel(monkeypatch, block_rows=16, block_groups=2, split_k=2)
+    calls = _gpu_with_interpreted_kernel(monkeypatch, block_rows=16, block_chunks=2, split_k=2)
     rng = np.random.default_rng(din + tokens)
     w = _kernel_weight(rng, scheme, 45, din)
     if gain:
@@ -138,7 +138,7 @@ def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     calls = _gpu_with_interpreted_kernel(monkeypatch)
     rng = np.random.default_rng(0)
     w = _kernel_weight(rng, "int4-g128", 64, 4096)
-    assert qmatvec.default_blocks(64, 4096, 4, 128)["split_k"] > 1
+    assert qmatvec.default_blocks(64, 4096, 4)["split_k"] > 1
     _check_linear(jnp.asarray(rng.standard_normal((2, 4096)), jnp.float32), w)
     assert len(calls) == 1
     _check_linear(jnp.asarray(rng.standard_normal((1, 512)), jnp.float32), _kernel_weight(rng, "Q4_K", 8, 512))

@@ -64,7 +64,7 @@ def rowsum_matvec(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
 def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
     """``x [T, in]`` times the quantized ``w [out, in]`` transposed, accumulated in float32."""
     gpu = jax.default_backend() == "gpu"
-    if gpu and x.shape[0] <= KERNEL_MAX_TOKENS and w.scheme in KERNEL_SCHEMES:
+    if gpu and x.shape[0] <= KERNEL_MAX_TOKENS and w.scheme in KERNEL_SCHEMES and w.shape[-1] % 32 == 0:
         return kernel_matvec(x, w, out_dtype)
     if gpu and x.shape[0] == 1 and w.scheme != "fp8":
         return rowsum_matvec(x, w, out_dtype)
