@@ -109,8 +109,15 @@ def _gpu_with_interpreted_kernel(monkeypatch, **blocks) -> list:
 
 
 def _kernel_weight(rng, scheme: str, out: int, din: int) -> QArray:
+    """GGUF blocks from gguf's quantizer; int4 as random codes, scales and offsets (every code, without
+    compiling the int4 search per shape); int8 quantized."""
     if scheme.startswith("Q"):
         return to_device(gguf_blocks.from_gguf(gguf_tensor(rng, scheme, (out, din)), scheme))
+    if scheme.startswith("int4"):
+        group = int(scheme.split("-g")[1])
+        f16 = lambda scale: jnp.asarray(rng.standard_normal((out, din // group)) * scale, jnp.float16)  # noqa: E731
+        return QArray(jnp.asarray(rng.integers(0, 256, (out, din // 2)), jnp.uint8), f16(0.1 / np.sqrt(din)),
+                      f16(0.5 / np.sqrt(din)), None, None, "int4", group)
     return quantize(jnp.asarray(rng.standard_normal((out, din)) / np.sqrt(din), jnp.float32), scheme)
 
 

@@ -74,11 +74,29 @@ def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chu
     rows = jnp.minimum(r, num_rows - 1)  # rows past the end re-read the last one; their store is masked
     col = jax.lax.broadcasted_iota(jnp.int32, (1, _CHUNK), 1)
 
-    def step(t, acc):
+    def chunk_index(t):
         k = (s * tiles + t) * block_chunks + jax.lax.broadcasted_iota(jnp.int32, (block_chunks,), 0)
-        k_ok = k < chunks
-        kc = jnp.minimum(k, chunks - 1)
-        c = codes_ref[rows[:, None, None], kc[None, :, None], col[None]]  # [R, BC, 16], unmasked
+        return k < chunks, jnp.minimum(k, chunks - 1)
+
+    def load(t):
+        """Tile ``t``'s codes ``[R, BC, 16]`` and its chunks' scales and offsets ``[R, BC]``, as
+        stored; nothing is read for ``t == tiles`` (the prefetch past the last tile)."""
+        _, kc = chunk_index(t)
+        live = t < tiles
+        c = plgpu.load(codes_ref.at[rows[:, None, None], kc[None, :, None], col[None]],
+                       mask=jnp.full((block_rows, block_chunks, _CHUNK), live), other=0)
+        if per_row:
+            return (c,)
+        g = kc // chunks_per_group  # a chunk lies in one group
+        live2 = jnp.full((block_rows, block_chunks), live)
+        return (c, *(plgpu.load(ref.at[rows[:, None], g[None, :]], mask=live2, other=0)
+                     for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
+
+    def step(t, carry):
+        acc, tile = carry
+        nxt = load(t + 1)  # issued before this tile's math, so its latency hides behind it
+        k_ok, kc = chunk_index(t)
+        c = tile[0]
         if c.dtype != jnp.uint8:  # int8 codes: the same bytes
             c = jax.lax.bitcast_convert_type(c, jnp.uint8)
         c = c.astype(jnp.uint32)
@@ -89,11 +107,7 @@ def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chu
         else:
             parts, sub = (c | _MAGIC,), 8388608.0 + zero
         w = [jax.lax.bitcast_convert_type(p, jnp.float32) - sub for p in parts]
-        if not per_row:  # each chunk's group's scale (and offset): a chunk lies in one group
-            g = kc // chunks_per_group
-            sc = scales_ref[rows[:, None], g[None, :]].astype(jnp.float32)  # [R, BC]
-            if has_offsets:
-                off = off_ref[rows[:, None], g[None, :]].astype(jnp.float32)
+        sc, off = [a.astype(jnp.float32) for a in tile[1:]] + [None] * (3 - len(tile))
         new = []
         for tok in range(tokens):
             # chunks past the end: x (and its sums) load as 0, so their clamped codes add nothing
@@ -105,10 +119,11 @@ def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chu
                 if has_offsets:
                     part = part + off * plgpu.load(xsum_ref.at[tok, kc], mask=k_ok, other=0.0)[None]
             new.append(acc[tok] + part)  # elementwise: one cross-thread reduction, after the loop
-        return tuple(new)
+        return tuple(new), nxt
 
     init = tuple(jnp.zeros((block_rows, block_chunks), jnp.float32) for _ in range(tokens))
-    acc = [jnp.sum(a, axis=1) for a in jax.lax.fori_loop(0, tiles, step, init)]
+    acc, _ = jax.lax.fori_loop(0, tiles, step, (init, load(0)))
+    acc = [jnp.sum(a, axis=1) for a in acc]
     if per_row:
         row_scale = scales_ref[rows, 0].astype(jnp.float32)
         acc = [a * row_scale for a in acc]
