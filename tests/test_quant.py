@@ -153,6 +153,17 @@ def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4-g128", "Q8_0", "Q4_0", "Q4_1"])
+def test_matvec_kernel_lowers_to_triton(scheme):
+    """The kernel as the GPU compiles it (Pallas -> Triton IR, which runs on this CPU: interpret mode
+    above does not go through it), at 1 and ``KERNEL_MAX_TOKENS`` tokens."""
+    w = _kernel_weight(np.random.default_rng(0), scheme, 64, 256)
+    for tokens in (1, matmul.KERNEL_MAX_TOKENS):
+        lowered = jax.jit(matmul.kernel_matvec, static_argnums=2).trace(
+            jnp.ones((tokens, 256), jnp.bfloat16), w, jnp.bfloat16).lower(lowering_platforms=("cuda",))
+        assert "xla.gpu.triton" in lowered.as_text()
+
+
 def test_int4_reproduces_a_q4_1_grid_and_beats_min_max_rounding():
     """int4's search (schemes._GRID_STEPS): weights already on llama.cpp's Q4_1 grid come back bit
     for bit at group 32 (the min/max codes fit them with zero error), and on Gaussian weights each
