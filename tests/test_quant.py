@@ -96,7 +96,8 @@ def test_quantized_linear_matches_dequantize_then_matmul(monkeypatch, backend, s
 
 def _gpu_with_interpreted_kernel(monkeypatch, **blocks) -> list:
     """``jax.default_backend()`` says "gpu" and ``qlinear``'s matvec kernel runs in Pallas interpret
-    mode (with ``blocks``); returns the list of the kernel's calls, to see where ``qlinear`` went."""
+    mode (with ``blocks``) for up to 4 tokens; returns the list of the kernel's calls, to see where
+    ``qlinear`` went."""
     calls = []
 
     def kernel(*args, **kw):
@@ -105,6 +106,7 @@ def _gpu_with_interpreted_kernel(monkeypatch, **blocks) -> list:
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(matmul, "quantized_matvec", kernel)
+    monkeypatch.setattr(matmul, "KERNEL_MAX_TOKENS", 4)  # the kernel takes several tokens; test them too
     return calls
 
 
@@ -156,9 +158,9 @@ def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
 @pytest.mark.parametrize("scheme", ["int8", "int4-g128", "Q8_0", "Q4_0", "Q4_1"])
 def test_matvec_kernel_lowers_to_triton(scheme):
     """The kernel as the GPU compiles it (Pallas -> Triton IR, which runs on this CPU: interpret mode
-    above does not go through it), at 1 and ``KERNEL_MAX_TOKENS`` tokens."""
+    above does not go through it), at 1 and 8 tokens."""
     w = _kernel_weight(np.random.default_rng(0), scheme, 64, 256)
-    for tokens in (1, matmul.KERNEL_MAX_TOKENS):
+    for tokens in (1, 8):
         lowered = jax.jit(matmul.kernel_matvec, static_argnums=2).trace(
             jnp.ones((tokens, 256), jnp.bfloat16), w, jnp.bfloat16).lower(lowering_platforms=("cuda",))
         assert "xla.gpu.triton" in lowered.as_text()

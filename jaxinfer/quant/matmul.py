@@ -1,6 +1,6 @@
 """The matmuls that read a ``QArray``: inside the compiled step, the decode fused by XLA or in a kernel.
 
-- Up to ``KERNEL_MAX_TOKENS`` tokens on a GPU, formats of 8-bit codes or packed nibbles with one
+- Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, formats of 8-bit codes or packed nibbles with one
   scale per row or group (int8, int4, Q8_0, Q4_0, Q4_1): the Pallas kernel
   ``pallas_kernels.qmatvec``, which streams the codes at the bandwidth (XLA's fusion below did not:
   H200, llama3-8b batch 1, int8 1.16x bf16 and int4-g128 0.83x; issue 25).
@@ -21,9 +21,11 @@ from jaxinfer.pallas_kernels.qmatvec import quantized_matvec
 from jaxinfer.quant.qarray import QArray, dequantize
 from jaxinfer.quant.schemes import FP8_MAX
 
-# Most tokens (rows of x) a step's quantized linear sends through the matvec kernel on a GPU; each
-# token adds flops on the same codes read once (not measured beyond 1 yet: issue 25).
-KERNEL_MAX_TOKENS = 8
+# Most tokens (rows of x) a step's quantized linear sends through the matvec kernel on a GPU. The
+# kernel takes any number, but each token adds a multiply-add per weight to a kernel already bound by
+# instructions per weight (docs/benchmarks.md), so more than one waits for a measurement against XLA's
+# dot (``scripts/bench_qmatvec.py --tokens 8``).
+KERNEL_MAX_TOKENS = 1
 KERNEL_SCHEMES = ("int8", "int4", "q8_0", "q4_0", "q4_1")
 
 
