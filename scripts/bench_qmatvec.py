@@ -8,6 +8,7 @@ and scales: the time does not depend on them), at ``--tokens`` rows of activatio
 - ``xla``: the XLA fusion the kernel replaces (``matmul.rowsum_matvec``: ``sum(x * dequantize(W))``;
   one token only);
 - ``bf16``: the same shape's bf16 weight through ``layers.linear`` (what the unquantized model runs);
+- ``error``: the kernel against float32 dequantize-then-matmul (largest difference / largest output);
 - the ceiling: bytes read (codes, scales, offsets) over 4.8 TB/s, and over the read bandwidth
   measured in the same run (a multi-GB sum).
 Each timing is a jitted chain of ``--chain`` calls, each call's input depending on the previous
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from ceilings import read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
 from jaxinfer.models import layers
 from jaxinfer.pallas_kernels.qmatvec import default_blocks
-from jaxinfer.quant import FORMATS, QArray
+from jaxinfer.quant import FORMATS, QArray, dequantize
 from jaxinfer.quant.matmul import kernel_matvec, rowsum_matvec
 
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336),
@@ -55,6 +56,15 @@ def random_qarray(key, out: int, n_in: int, scheme: str) -> QArray:
     scales = (jax.random.uniform(k2, (out, n_in // group)) * 1e-3).astype(sdtype)
     offsets = (jax.random.normal(k3, (out, n_in // group)) * 1e-3).astype(sdtype) if f.offsets else None
     return QArray(values, scales, offsets, None, None, fmt, group)
+
+
+@jax.jit
+def max_error(x, w):
+    """The kernel (default blocks) against float32 dequantize-then-matmul: the largest difference
+    over the largest output (a check that the timed kernel computes the right thing on this GPU)."""
+    got = kernel_matvec(x, w, jnp.float32)
+    want = jnp.dot(x.astype(jnp.float32), dequantize(w, jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    return jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))
 
 
 def chained(matvec, chain: int):
@@ -110,7 +120,7 @@ def main():
         del wb
         print(f"\n{shape_name} {out}x{n_in}: bf16 {bf16_us:.1f} us ({bf16_bytes / bf16_us / 1e3:.0f} GB/s)")
         print(f"  {'scheme':10} {'MB':>7} {'ceil us':>8} {'kernel us':>10} {'GB/s':>6} {'x bf16':>7} "
-              f"{'xla us':>8} {'x bf16':>7}  best blocks")
+              f"{'xla us':>8} {'x bf16':>7} {'error':>8}  best blocks")
         for scheme in F.schemes.split(","):
             w = random_qarray(jax.random.fold_in(key, hash(scheme) % 1000), out, n_in, scheme)
             nbytes = sum(a.nbytes for a in (w.values, w.scales, w.offsets) if a is not None)
@@ -125,7 +135,9 @@ def main():
             ok = [t for t in tried if t["us"] is not None]
             best = min(ok, key=lambda t: t["us"]) if ok else None
             xla_us = time_us(lambda a, ww: rowsum_matvec(a, ww, jnp.bfloat16), xs, w) if F.tokens == 1 else None
+            err = float(max_error(xs, w))
             row = dict(shape=shape_name, out=out, n_in=n_in, scheme=scheme, tokens=F.tokens, bytes=nbytes,
+                       max_rel_error=err,
                        ceiling_us=nbytes / HBM_BYTES_PER_S * 1e6, measured_ceiling_us=nbytes / bw * 1e6,
                        kernel_default_us=tried[0]["us"], kernel_best_us=best and best["us"],
                        kernel_best_blocks=best and best["blocks"], kernel_tried=tried, xla_us=xla_us,
@@ -134,7 +146,7 @@ def main():
             k = best["us"] if best else float("nan")
             xl = f"{xla_us:8.1f} {bf16_us / xla_us:7.2f}" if xla_us else f"{'-':>8} {'-':>7}"
             print(f"  {scheme:10} {nbytes / 1e6:7.1f} {row['ceiling_us']:8.1f} {k:10.1f} {nbytes / k / 1e3:6.0f} "
-                  f"{bf16_us / k:7.2f} {xl}  {best and {k2: v for k2, v in best['blocks'].items()}}")
+                  f"{bf16_us / k:7.2f} {xl} {err:8.1e}  {best and best['blocks']}")
             del w
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=F.tokens,
                   read_bandwidth_bytes_per_s=bw, hbm_bytes_per_s=HBM_BYTES_PER_S, chain=F.chain, inner=F.inner,
