@@ -135,7 +135,11 @@ def main():
             ok = [t for t in tried if t["us"] is not None]
             best = min(ok, key=lambda t: t["us"]) if ok else None
             xla_us = time_us(lambda a, ww: rowsum_matvec(a, ww, jnp.bfloat16), xs, w) if F.tokens == 1 else None
-            err = float(max_error(xs, w))
+            try:
+                err = float(max_error(xs, w))
+            except Exception as e:  # the default blocks failed to compile: reported above, not fatal
+                err = float("nan")
+                print(f"    error check: {type(e).__name__}")
             row = dict(shape=shape_name, out=out, n_in=n_in, scheme=scheme, tokens=F.tokens, bytes=nbytes,
                        max_rel_error=err,
                        ceiling_us=nbytes / HBM_BYTES_PER_S * 1e6, measured_ceiling_us=nbytes / bw * 1e6,
