@@ -20,6 +20,8 @@ from jaxinfer.models import layers
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.quant import QArray, check_device_supports, dequantize, quantize, to_device
 from jaxinfer.quant import gguf as gguf_blocks
+from jaxinfer.pallas_kernels import qmatvec
+from jaxinfer.quant import matmul
 from jaxinfer.quant.matmul import fp8_activations
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -82,14 +84,86 @@ def _check_linear(x, w: QArray, out_dtype=None):
                                                   ("gpu", 1, "bfloat16")])
 def test_quantized_linear_matches_dequantize_then_matmul(monkeypatch, backend, scheme, din, tokens, dtype):
     """Odd group counts (576 / 64 = 9, 384 / 128 = 3, 96 / 32 = 3); "gpu" sends one token down the
-    row-reduction path (fp8's fp8 x fp8 dot is the GPU's own: on this CPU it runs emulated)."""
+    matvec kernel, interpreted (fp8's fp8 x fp8 dot is the GPU's own: on this CPU it runs emulated)."""
     if backend == "gpu" and scheme != "fp8":
-        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        _gpu_with_interpreted_kernel(monkeypatch)
     rng = np.random.default_rng(tokens + din)
     x = jnp.asarray(rng.standard_normal((tokens, din)), dtype)
     w = quantize(jnp.asarray(rng.standard_normal((200, din)) / np.sqrt(din), jnp.float32), scheme)
     _check_linear(x, w)
     _check_linear(x, layers.fold_norm(rng.uniform(0.2, 3.0, din), w), "float32")  # an explicit norm gain
+
+
+def _gpu_with_interpreted_kernel(monkeypatch, **blocks) -> list:
+    """``jax.default_backend()`` says "gpu" and ``qlinear``'s matvec kernel runs in Pallas interpret
+    mode (with ``blocks``) for up to 4 tokens; returns the list of the kernel's calls, to see where
+    ``qlinear`` went."""
+    calls = []
+
+    def kernel(*args, **kw):
+        calls.append(kw)
+        return qmatvec.quantized_matvec(*args, **kw, **blocks, interpret=True)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(matmul, "quantized_matvec", kernel)
+    monkeypatch.setattr(matmul, "KERNEL_MAX_TOKENS", 4)  # the kernel takes several tokens; test them too
+    return calls
+
+
+def _kernel_weight(rng, scheme: str, out: int, din: int) -> QArray:
+    """GGUF blocks from gguf's quantizer; int4 as random codes, scales and offsets (every code, without
+    compiling the int4 search per shape); int8 quantized."""
+    if scheme.startswith("Q"):
+        return to_device(gguf_blocks.from_gguf(gguf_tensor(rng, scheme, (out, din)), scheme))
+    if scheme.startswith("int4"):
+        group = int(scheme.split("-g")[1])
+        f16 = lambda scale: jnp.asarray(rng.standard_normal((out, din // group)) * scale, jnp.float16)  # noqa: E731
+        return QArray(jnp.asarray(rng.integers(0, 256, (out, din // 2)), jnp.uint8), f16(0.1 / np.sqrt(din)),
+                      f16(0.5 / np.sqrt(din)), None, None, "int4", group)
+    return quantize(jnp.asarray(rng.standard_normal((out, din)) / np.sqrt(din), jnp.float32), scheme)
+
+
+@pytest.mark.parametrize("scheme,din", [("int8", 320), ("int4-g32", 96), ("int4-g64", 576), ("int4-g128", 384),
+                                        ("Q8_0", 160), ("Q4_0", 96), ("Q4_1", 224)])
+@pytest.mark.parametrize("tokens,dtype,gain", [(1, "bfloat16", True), (3, "float32", False)])
+def test_matvec_kernel_matches_dequantize_then_matmul(monkeypatch, scheme, din, tokens, dtype, gain):
+    """``qlinear`` of a few tokens on a GPU goes to the Pallas kernel (interpreted here) for every
+    format it takes, and equals dequantize-then-matmul: 45 rows (not a multiple of the 16-row blocks),
+    odd group counts (3, 5, 7, 9), tiles of 2 16-byte chunks (a partial last tile) split in two along ``in``
+    (each split's partial summed after), an explicit norm gain or none, bf16 and float32 activations."""
+    calls = _gpu_with_interpreted_kernel(monkeypatch, block_rows=16, block_chunks=2, split_k=2)
+    rng = np.random.default_rng(din + tokens)
+    w = _kernel_weight(rng, scheme, 45, din)
+    if gain:
+        w = layers.fold_norm(rng.uniform(0.2, 3.0, din), w)
+    _check_linear(jnp.asarray(rng.standard_normal((tokens, din)), dtype), w, "float32")
+    assert len(calls) == 1 and calls[0]["bits"] == w.format.bits
+
+
+def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
+    """The kernel's own block choice (``default_blocks``: K split until the grid is large) on an
+    int4 weight of 64 x 4096 with several tokens; formats it does not take (the K-quants) and more
+    tokens than ``KERNEL_MAX_TOKENS`` keep XLA's paths."""
+    calls = _gpu_with_interpreted_kernel(monkeypatch)
+    rng = np.random.default_rng(0)
+    w = _kernel_weight(rng, "int4-g128", 64, 4096)
+    assert qmatvec.default_blocks(64, 4096, 4)["split_k"] > 1
+    _check_linear(jnp.asarray(rng.standard_normal((2, 4096)), jnp.float32), w)
+    assert len(calls) == 1
+    _check_linear(jnp.asarray(rng.standard_normal((1, 512)), jnp.float32), _kernel_weight(rng, "Q4_K", 8, 512))
+    _check_linear(jnp.asarray(rng.standard_normal((matmul.KERNEL_MAX_TOKENS + 1, 4096)), jnp.float32), w)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g128", "Q8_0", "Q4_0", "Q4_1"])
+def test_matvec_kernel_lowers_to_triton(scheme):
+    """The kernel as the GPU compiles it (Pallas -> Triton IR, which runs on this CPU: interpret mode
+    above does not go through it), at 1 and 8 tokens."""
+    w = _kernel_weight(np.random.default_rng(0), scheme, 64, 256)
+    for tokens in (1, 8):
+        lowered = jax.jit(matmul.kernel_matvec, static_argnums=2).trace(
+            jnp.ones((tokens, 256), jnp.bfloat16), w, jnp.bfloat16).lower(lowering_platforms=("cuda",))
+        assert "xla.gpu.triton" in lowered.as_text()
 
 
 def test_int4_reproduces_a_q4_1_grid_and_beats_min_max_rounding():

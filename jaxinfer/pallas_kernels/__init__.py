@@ -16,6 +16,8 @@ gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware)
 TPU kernel in Pallas interpret mode; runs on CPU, slow, for tests), ``auto`` (by
 ``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference; a model whose
 head_dim the GPU kernels cannot take, Phi-3's 96, gets the reference on a GPU).
+Outside this switch: ``qmatvec`` (the quantized weights' matvec for decode on GPUs), which
+``jaxinfer.quant.qlinear`` calls by itself for a few tokens on a GPU.
 A quantized KV cache (int8/fp8 codes plus per-token scales, ``paged.kv_cache``) is read by the
 reference and the ``pallas_gpu`` kernels (which dequantize after each page load, so only the codes
 cross memory); the TPU kernel refuses it.

@@ -1,7 +1,11 @@
-"""The matmuls that read a ``QArray``: inside the compiled step, the decode fused by XLA.
+"""The matmuls that read a ``QArray``: inside the compiled step, the decode fused by XLA or in a kernel.
 
-- One token on a GPU: a float32 row reduction ``sum(x * dequantize(W), -1)``, one loop fusion that
-  reads only the codes and their scales (a GEMV is bound by the weight bytes it reads).
+- Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, formats of 8-bit codes or packed nibbles with one
+  scale per row or group (int8, int4, Q8_0, Q4_0, Q4_1): the Pallas kernel
+  ``pallas_kernels.qmatvec``, which streams the codes at the bandwidth (XLA's fusion below did not:
+  H200, llama3-8b batch 1, int8 1.16x bf16 and int4-g128 0.83x; issue 25).
+- One token on a GPU otherwise (the K-quants): a float32 row reduction ``sum(x * dequantize(W), -1)``,
+  one loop fusion that reads only the codes and their scales (a GEMV is bound by the weight bytes it reads).
 - int8 and fp8 (one scale per output row): the dot runs on the codes (converted to the activations'
   dtype, or fp8 x fp8 with a dynamic per-token activation scale) and the row scales multiply its
   output, so no float copy of the weight is scaled.
@@ -13,8 +17,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.pallas_kernels.qmatvec import quantized_matvec
 from jaxinfer.quant.qarray import QArray, dequantize
 from jaxinfer.quant.schemes import FP8_MAX
+
+# Most tokens (rows of x) a step's quantized linear sends through the matvec kernel on a GPU. The
+# kernel takes any number, but each token adds a multiply-add per weight to a kernel already bound by
+# instructions per weight (docs/benchmarks.md), so more than one waits for a measurement against XLA's
+# dot (``scripts/bench_qmatvec.py --tokens 8``).
+KERNEL_MAX_TOKENS = 1
+KERNEL_SCHEMES = ("int8", "int4", "q8_0", "q4_0", "q4_1")
 
 
 def _precision(dtype):
@@ -35,8 +47,29 @@ def fp8_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (xf / s).astype(jnp.float8_e4m3fn), s
 
 
+def kernel_matvec(x: jax.Array, w: QArray, out_dtype, **blocks) -> jax.Array:
+    """``qlinear`` through the Pallas matvec kernel (a 2-D ``w`` of ``KERNEL_SCHEMES``), the format's
+    description passed as static parameters. ``blocks``: the kernel's block sizes (default: its own
+    choice), for benchmarks."""
+    f = w.format
+    y = quantized_matvec(_scale_columns(x, w), w.values, w.scales, w.offsets, bits=f.bits, group_size=w.group_size, zero=f.zero,
+                         signed=f.signed, **blocks)
+    return y.astype(out_dtype)
+
+
+def rowsum_matvec(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
+    """One token as a float32 row reduction ``sum(x * dequantize(W), -1)`` (XLA's loop fusion)."""
+    x = _scale_columns(x, w)
+    return jnp.sum(x.astype(jnp.float32) * dequantize(w, jnp.float32), axis=-1)[None].astype(out_dtype)
+
+
 def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
     """``x [T, in]`` times the quantized ``w [out, in]`` transposed, accumulated in float32."""
+    gpu = jax.default_backend() == "gpu"
+    if gpu and x.shape[0] <= KERNEL_MAX_TOKENS and w.scheme in KERNEL_SCHEMES and w.shape[-1] % 32 == 0:
+        return kernel_matvec(x, w, out_dtype)
+    if gpu and x.shape[0] == 1 and w.scheme != "fp8":
+        return rowsum_matvec(x, w, out_dtype)
     x = _scale_columns(x, w)
     per_row = w.group_size == w.shape[-1] and w.scheme in ("int8", "fp8")
     dims = (((1,), (1,)), ((), ()))
@@ -48,8 +81,6 @@ def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
         else:
             y = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=jnp.float32)
         return (y * xs * w.scales[:, 0].astype(jnp.float32)).astype(out_dtype)
-    if x.shape[0] == 1 and jax.default_backend() == "gpu":
-        return jnp.sum(x.astype(jnp.float32) * dequantize(w, jnp.float32), axis=-1)[None].astype(out_dtype)
     if per_row:
         y = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, precision=_precision(x.dtype),
                                 preferred_element_type=jnp.float32)
