@@ -254,9 +254,9 @@ def test_greedy_verify_accepts_the_matching_prefix():
     logits = jax.nn.one_hot(jnp.asarray([[4, 6, 1, 3]]), 8)  # target argmax per position: 4 6 1 3
     check = jax.jit(functools.partial(verify, greedy_only=True))
     res = check(logits, _sampling_batch(1, temperature=0.0, proposals=np.asarray([[4, 6, 2]], np.int32)))
-    assert int(res.num_accepted[0]) == 2 and res.tokens[0, :3].tolist() == [4, 6, 1]
+    assert int(res.num_accepted[0]) == 2 and res.tokens[0].tolist() == [4, 6, 1, -1]  # -1: not emitted
     res = check(logits, _sampling_batch(1, temperature=0.0, proposals=np.asarray([[4, -1, -1]], np.int32)))
-    assert int(res.num_accepted[0]) == 1 and res.tokens[0, :2].tolist() == [4, 6]
+    assert int(res.num_accepted[0]) == 1 and res.tokens[0].tolist() == [4, 6, -1, -1]
 
 
 # -------------------------------------------------------------------------------- bad input

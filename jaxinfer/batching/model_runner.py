@@ -411,17 +411,15 @@ class ModelRunner:
         """Dispatch one step; the result stays on device until the caller reads it. A verifying step
         (``num_speculative``) leaves ``last_tokens`` as they were: nothing is pending after it.
 
-        The copy of the sampled tokens (and a verifying step's accepted counts) to the host is queued
-        now, behind the step, so the host finds them there once the step ends: on an H200 a copy
-        started only when the host asked for it took ~0.3-0.45 ms per array after the step had
-        finished, time a synchronous (speculating) step added to every step (docs/benchmarks.md)."""
+        The copy of the sampled tokens (a verifying step's outcome too: ``VerifyResult.tokens``) to the
+        host is queued now, behind the step, so the host finds them there once the step ends: on an
+        H200 a copy started only when the host asked for it took ~0.3-0.45 ms per array after the step
+        had finished, time a synchronous (speculating) step added to every step (docs/benchmarks.md)."""
         result, self.cache, self.last_tokens = self.execute(*self.prepare(batch, num_speculative), feeds_next=True)
         self.num_steps += 1
         if self._multihost:
             result = multihost.local_view(result)
         result.tokens.copy_to_host_async()
-        if num_speculative:
-            result.num_accepted.copy_to_host_async()
         return result
 
     def run_forward(self, batch: ScheduledBatch) -> ConstrainedSample:
