@@ -144,8 +144,10 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int | None):
 @dataclasses.dataclass
 class VerifyResult:
     """A speculative step's outcome per sequence: ``tokens[s, :num_accepted[s] + 1]`` are its new tokens
-    (the accepted proposals, then one the target chose itself)."""
-    tokens: jax.Array  # i32 [S, K + 1]
+    (the accepted proposals, then one the target chose itself), and -1 follows them, so the host reads
+    the step's outcome from ``tokens`` alone: one copy to wait for, not two (each costs a round trip
+    after a synchronous step; ``LLMEngine._read_verified``)."""
+    tokens: jax.Array  # i32 [S, K + 1], -1 past the emitted tokens
     num_accepted: jax.Array  # i32 [S]
     logprobs: jax.Array | None  # f32 [S, K + 1]
     top_tokens: jax.Array | None  # i32 [S, K + 1, n]
@@ -206,5 +208,6 @@ def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False,
         tokens = jnp.where(greedy_row, target, sampled)
     num_accepted = jnp.sum(jnp.cumprod(accept[:, :k].astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     per_position = _logprobs(flat, tokens.reshape(-1), num_logprobs)  # positions as rows, then [S, K + 1, ...]
-    return VerifyResult(tokens, num_accepted, *(None if x is None else x.reshape(s, k1, *x.shape[1:])
-                                                 for x in per_position))
+    emitted = jnp.where(jnp.arange(k1)[None, :] <= num_accepted[:, None], tokens, -1)
+    return VerifyResult(emitted, num_accepted, *(None if x is None else x.reshape(s, k1, *x.shape[1:])
+                                                  for x in per_position))

@@ -74,7 +74,7 @@ def timed_run(llm, prompts, proposer) -> dict:
     from jaxinfer import SamplingParams
     eng = llm.engine
     eng.proposer = proposer
-    before, verified0 = dict(eng.stats()), eng.counters["spec_verified"]
+    before, verified0, host0 = dict(eng.stats()), eng.counters["spec_verified"], eng.counters["host_time"]
     params = SamplingParams(max_tokens=F.max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -94,9 +94,12 @@ def timed_run(llm, prompts, proposer) -> dict:
     proposed = s["spec_proposed_tokens"] - before["spec_proposed_tokens"]
     accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     verified = eng.counters["spec_verified"] - verified0
+    steps = s["steps"] - before["steps"]
     return dict(wall_s=wall, tok_s=sum(map(len, tokens)) / wall, decode_s=decode_s,
+                # the engine's own host work per step (not waiting for the device; engine.stats()'s host_time)
+                host_ms_per_step=(eng.counters["host_time"] - host0) / max(1, steps) * 1e3,
                 decode_tok_s=sum(len(t) - 1 for t in tokens) / max(decode_s, 1e-9),
-                steps=s["steps"] - before["steps"], spec_steps=s["spec_steps"] - before["spec_steps"],
+                steps=steps, spec_steps=s["spec_steps"] - before["spec_steps"],
                 proposed=proposed, accepted=accepted, acceptance_rate=accepted / max(1, proposed),
                 mean_accepted_length=(accepted + verified) / max(1, verified), tokens=tokens)
 
@@ -200,6 +203,9 @@ def replay(results):
         out[b] = dict(plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
                       plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
                       decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
+                      plain_decode_ms_per_step=plain["decode_s"] / max(1, plain["steps"] - 1) * 1e3,
+                      spec_decode_ms_per_step=spec["decode_s"] / max(1, spec["steps"] - 1) * 1e3,
+                      plain_host_ms_per_step=plain["host_ms_per_step"], spec_host_ms_per_step=spec["host_ms_per_step"],
                       acceptance_rate=spec["acceptance_rate"], replay_passes=passes,
                       identical_to_plain=f"{same}/{b}")
     results["replay"] = dict(k=F.k, by_batch=out)
@@ -251,7 +257,9 @@ def print_table(results):
               f"{r['verify_over_decode']:>7.2f}")
     for b, r in results.get("replay", {}).get("by_batch", {}).items():
         print(f"{'replay':<10} {'batch ' + str(b) + ' (tok/s)':<22} {r['plain_tok_s']:>10.1f} {r['spec_tok_s']:>10.1f} "
-              f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}")
+              f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}   decode {r['decode_speedup']:.2f}x, ms/step "
+              f"{r['plain_decode_ms_per_step']:.3f} / {r['spec_decode_ms_per_step']:.3f}, host ms/step "
+              f"{r['plain_host_ms_per_step']:.3f} / {r['spec_host_ms_per_step']:.3f}")
     for b, r in results.get("draft", {}).get("by_batch", {}).items():
         print(f"{'draft':<10} {'batch ' + str(b) + ' (ms)':<22} {r['plain_step_ms']:>10.3f} "
               f"{r['propose_ms_per_token']:>10.3f} {r['propose_token_over_target_step']:>7.2f} "

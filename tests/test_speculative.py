@@ -148,6 +148,33 @@ def test_stops_and_max_tokens_inside_a_proposal():
     assert_no_leak(llm.engine)
 
 
+def test_speculation_pauses_above_max_num_seqs(caplog):
+    """Above ``speculative_max_num_seqs`` running sequences no step verifies proposals (and the log says
+    so); once the batch shrinks back, speculation resumes. Outputs stay those without speculation."""
+    prompts = make_prompts(23, 4, high=40)
+    want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
+    llm = spec_llm(3, speculative_max_num_seqs=2)
+    proposed = []  # running sequences at each step that proposed
+
+    class Counting(Replay):
+        def propose(self, seqs, limits):
+            proposed.append(len(llm.engine.scheduler.running))
+            return super().propose(seqs, limits)
+
+    # four requests together, then the short ones finish and two are left
+    params = [greedy(4), greedy(4), greedy(), greedy()]
+    with caplog.at_level("INFO", logger="jaxinfer.batching.engine"):
+        got = run_batch(llm, prompts, params, Counting({tuple(p): w for p, w in zip(prompts, want.values())},
+                                                       wrong=0.0))
+    assert {i: o.token_ids for i, o in got.items()} == {i: w[:len(got[i].token_ids)] for i, w in want.items()}
+    assert [len(got[i].token_ids) for i in range(4)] == [4, 4, 20, 20]
+    assert proposed and max(proposed) <= 2  # never proposed while 3 or 4 ran
+    paused = [r.getMessage() for r in caplog.records if "speculative decoding paused" in r.getMessage()]
+    resumed = [r.getMessage() for r in caplog.records if "speculative decoding resumed" in r.getMessage()]
+    assert paused and "speculative_max_num_seqs=2" in paused[0] and resumed
+    assert_no_leak(llm.engine)
+
+
 def test_randomized_workload_no_leak():
     rng = np.random.default_rng(5)
     n = 200
@@ -227,9 +254,9 @@ def test_greedy_verify_accepts_the_matching_prefix():
     logits = jax.nn.one_hot(jnp.asarray([[4, 6, 1, 3]]), 8)  # target argmax per position: 4 6 1 3
     check = jax.jit(functools.partial(verify, greedy_only=True))
     res = check(logits, _sampling_batch(1, temperature=0.0, proposals=np.asarray([[4, 6, 2]], np.int32)))
-    assert int(res.num_accepted[0]) == 2 and res.tokens[0, :3].tolist() == [4, 6, 1]
+    assert int(res.num_accepted[0]) == 2 and res.tokens[0].tolist() == [4, 6, 1, -1]  # -1: not emitted
     res = check(logits, _sampling_batch(1, temperature=0.0, proposals=np.asarray([[4, -1, -1]], np.int32)))
-    assert int(res.num_accepted[0]) == 1 and res.tokens[0, :2].tolist() == [4, 6]
+    assert int(res.num_accepted[0]) == 1 and res.tokens[0].tolist() == [4, 6, -1, -1]
 
 
 # -------------------------------------------------------------------------------- bad input

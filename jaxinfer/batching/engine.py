@@ -423,7 +423,8 @@ class LLMEngine:
         target's next token. The K/V written at rejected positions stay in the cache but are no longer
         counted (``num_computed_tokens`` steps back), so the next step overwrites them; pages left empty
         are freed, and pages are published to the prefix cache only up to accepted tokens."""
-        tokens, accepted = np.asarray(result.tokens), np.asarray(result.num_accepted)
+        tokens = np.asarray(result.tokens)
+        accepted = (tokens >= 0).sum(axis=1) - 1  # -1 follows the emitted tokens (``VerifyResult``)
         t0 = time.perf_counter()
         logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
         outputs, c = [], self.counters

@@ -188,6 +188,7 @@ class ModelRunner:
         self._stop_background = threading.Event()
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
+        self._copy_ahead = jax.default_backend() != "cpu"  # see ``run``
         # Decode-only steps compile separately only where the backend has a kernel for them.
         self._decode_max_seqs = ops.decode_attention_max_seqs if ops.decode_attention is not None else 0
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
@@ -409,10 +410,21 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, num_speculative: int = 0) -> SampleResult | VerifyResult:
         """Dispatch one step; the result stays on device until the caller reads it. A verifying step
-        (``num_speculative``) leaves ``last_tokens`` as they were: nothing is pending after it."""
+        (``num_speculative``) leaves ``last_tokens`` as they were: nothing is pending after it.
+
+        On an accelerator the copy of the sampled tokens (a verifying step's outcome too:
+        ``VerifyResult.tokens``) to the host is queued now, behind the step, so the host finds them
+        there once the step ends: on an H200 a copy started only when the host asked for it took
+        ~0.3-0.45 ms per array after the step had finished, time a synchronous (speculating) step added
+        to every step (docs/benchmarks.md). Not on CPU, where the array is already in host memory and
+        queuing the copy cost ~75 us of host time per call."""
         result, self.cache, self.last_tokens = self.execute(*self.prepare(batch, num_speculative), feeds_next=True)
         self.num_steps += 1
-        return multihost.local_view(result) if self._multihost else result
+        if self._multihost:
+            result = multihost.local_view(result)
+        if self._copy_ahead:
+            result.tokens.copy_to_host_async()
+        return result
 
     def run_forward(self, batch: ScheduledBatch) -> ConstrainedSample:
         """Dispatch one step's forward pass only; returns its sampling half, dispatched once the host
