@@ -94,10 +94,11 @@ def test_quantized_linear_matches_dequantize_then_matmul(monkeypatch, backend, s
     _check_linear(x, layers.fold_norm(rng.uniform(0.2, 3.0, din), w), "float32")  # an explicit norm gain
 
 
-def _gpu_with_interpreted_kernel(monkeypatch, **blocks) -> list:
+def _gpu_with_interpreted_kernel(monkeypatch, every_format=True, **blocks) -> list:
     """``jax.default_backend()`` says "gpu" and ``qlinear``'s matvec kernel runs in Pallas interpret
-    mode (with ``blocks``) for up to 4 tokens; returns the list of the kernel's calls, to see where
-    ``qlinear`` went."""
+    mode (with ``blocks``) for up to 4 tokens and (``every_format``) for every format the kernel takes,
+    8-bit codes included, which the engine keeps on XLA's fusion (measured faster); returns the list
+    of the kernel's calls, to see where ``qlinear`` went."""
     calls = []
 
     def kernel(*args, **kw):
@@ -107,6 +108,8 @@ def _gpu_with_interpreted_kernel(monkeypatch, **blocks) -> list:
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(matmul, "quantized_matvec", kernel)
     monkeypatch.setattr(matmul, "KERNEL_MAX_TOKENS", 4)  # the kernel takes several tokens; test them too
+    if every_format:
+        monkeypatch.setattr(matmul, "KERNEL_SCHEMES", ("int8", "int4", "q8_0", "q4_0", "q4_1"))
     return calls
 
 
@@ -143,8 +146,8 @@ def test_matvec_kernel_matches_dequantize_then_matmul(monkeypatch, scheme, din, 
 def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     """The kernel's own block choice (``default_blocks``: K split until the grid is large) on an
     int4 weight of 64 x 4096 with several tokens; formats it does not take (the K-quants) and more
-    tokens than ``KERNEL_MAX_TOKENS`` keep XLA's paths."""
-    calls = _gpu_with_interpreted_kernel(monkeypatch)
+    tokens than ``KERNEL_MAX_TOKENS`` keep XLA's paths, as do 8-bit codes (int8, Q8_0)."""
+    calls = _gpu_with_interpreted_kernel(monkeypatch, every_format=False)
     rng = np.random.default_rng(0)
     w = _kernel_weight(rng, "int4-g128", 64, 4096)
     assert qmatvec.default_blocks(64, 4096, 4)["split_k"] > 1
@@ -152,6 +155,8 @@ def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     assert len(calls) == 1
     _check_linear(jnp.asarray(rng.standard_normal((1, 512)), jnp.float32), _kernel_weight(rng, "Q4_K", 8, 512))
     _check_linear(jnp.asarray(rng.standard_normal((matmul.KERNEL_MAX_TOKENS + 1, 4096)), jnp.float32), w)
+    for scheme in ("int8", "Q8_0"):
+        _check_linear(jnp.asarray(rng.standard_normal((1, 512)), jnp.float32), _kernel_weight(rng, scheme, 8, 512))
     assert len(calls) == 1
 
 
