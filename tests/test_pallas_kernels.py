@@ -129,7 +129,7 @@ def dense_attention(q, kc, vc, layer, md, *, scale, soft_cap, sliding_window):
     """Each sequence's queries over its own context in float64 numpy, one query at a time."""
     q, kc, vc = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, kc, vc))
     qs, lens, table = (np.asarray(x) for x in (md.query_start, md.seq_lens, md.page_table))
-    page_size, kvh = kc.shape[2], kc.shape[3]
+    kvh = kc.shape[3]
     out = np.zeros_like(q)
     for s in range(len(lens)):
         keys = kc[layer][table[s]].reshape(-1, kvh, q.shape[-1])
