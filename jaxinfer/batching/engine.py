@@ -26,6 +26,7 @@ from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
+from jaxinfer.models.spec import cpu_matmul_layout
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 from jaxinfer.pallas_kernels import get_kernels
@@ -124,6 +125,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format, seed=config.seed,
                                                 layer_loop=layer_loop, mesh=self.mesh, quantization=quantization)
+        if backend == "cpu" and self.mesh is None:
+            weights = cpu_matmul_layout(weights, self.model_config)  # [in, out]: what XLA:CPU's matmuls read
         log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", model, dtype, quantization,
                  self.model_config.num_params() / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
                  time.perf_counter() - t0)

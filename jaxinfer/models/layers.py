@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig, RopeScaling
+from jaxinfer.models.spec import InOut
 from jaxinfer.paged.attention import ragged_paged_attention
 from jaxinfer.paged.kv_cache import KVCache, write_kv
 from jaxinfer.quant import QArray, qlinear, take, to_dense, with_col_scale
@@ -49,10 +50,10 @@ class LayerChoice:
     index: jax.Array
 
 
-def linear(x: jax.Array, w: jax.Array | QArray | LayerChoice, out_dtype=None) -> jax.Array:
-    """``x [T, in]`` times ``w [out, in]`` transposed: the one matmul helper, for bf16/f32 weights and
-    quantized ones (``jaxinfer.quant.qlinear``). Accumulates in float32; returns ``out_dtype``
-    (default: x's).
+def linear(x: jax.Array, w: jax.Array | QArray | LayerChoice | InOut, out_dtype=None) -> jax.Array:
+    """``x [T, in]`` times ``w [out, in]`` transposed: the one matmul helper, for bf16/f32 weights,
+    quantized ones (``jaxinfer.quant.qlinear``) and the CPU's transposed ones (``spec.InOut``).
+    Accumulates in float32; returns ``out_dtype`` (default: x's).
 
     A one-token step on a GPU runs a weight with at least as many rows as columns as a float32 row
     reduction (one block per contiguous row), which XLA streams faster than its GEMV: the 8B
@@ -65,6 +66,9 @@ def linear(x: jax.Array, w: jax.Array | QArray | LayerChoice, out_dtype=None) ->
         return jax.lax.switch(w.index, [functools.partial(linear, w=wi, out_dtype=out_dtype) for wi in w.weights], x)
     if isinstance(w, QArray):
         return qlinear(x, w, out_dtype)
+    if isinstance(w, InOut):
+        return jax.lax.dot_general(x, w.t.astype(x.dtype), (((1,), (0,)), ((), ())), precision=_precision(x.dtype),
+                                   preferred_element_type=out_dtype)
     w = w.astype(x.dtype)
     if x.shape[0] == 1 and w.shape[0] >= w.shape[1] and jax.default_backend() == "gpu":
         return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32), axis=-1)[None].astype(out_dtype)
@@ -83,11 +87,13 @@ def fold_norm(norm_weight, w):
     return np.asarray(w, np.float32) * np.asarray(norm_weight, np.float32)
 
 
-def embed(table: jax.Array | QArray, tokens: jax.Array, dtype) -> jax.Array:
+def embed(table: jax.Array | QArray | InOut, tokens: jax.Array, dtype) -> jax.Array:
     """Rows ``tokens`` of the embedding ``table [V, D]`` in ``dtype`` (a quantized table decodes only
-    those rows)."""
+    those rows; a transposed one, ``InOut``, gives them as its columns)."""
     if isinstance(table, QArray):
         return to_dense(take(table, tokens), dtype)
+    if isinstance(table, InOut):
+        return table.t[:, tokens].T.astype(dtype)
     return table[tokens].astype(dtype)
 
 

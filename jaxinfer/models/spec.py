@@ -92,6 +92,20 @@ def param_spec(config: ModelConfig) -> ModelSpec:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class InOut:
+    """A dense matmul weight ``[..., out, in]`` stored transposed, ``t [..., in, out]``: how the CPU
+    path keeps its matrices (``cpu_matmul_layout``); ``layers.linear`` and ``layers.embed`` take it.
+
+    XLA:CPU hands dots of two or more rows to YNNPACK, whose right operand is ``[in, out]``; a
+    ``[out, in]`` weight was repacked on every call. SmolLM2 float32 on 2 cores, the engine's step
+    (docs/benchmarks.md, issue 22): 8 sequences' decode 68.5 -> 48.2 ms, batch-1 decode 26.6 ->
+    24.5 ms (the one-row dot is not YNNPACK's, and reads ``[in, out]`` as fast)."""
+
+    t: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Weights:
     embed: jax.Array | QArray  # [V, D]; quantizable leaves may be ``QArray``s (jaxinfer.quant)
     # A list of per-layer dicts (unrolled loop) or one dict of arrays stacked on a leading layer
@@ -114,6 +128,26 @@ def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
     elif config.layer_loop in ("unroll", "indexed") and not isinstance(layers, list):
         layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(config.num_layers)]
     return dataclasses.replace(weights, layers=layers)
+
+
+def cpu_matmul_layout(weights: Weights, config: ModelConfig) -> Weights:
+    """``weights`` with every dense matmul weight as ``InOut`` (the spec's quantizable 2-D leaves, the
+    lm_head, and the embedding when the lm_head is tied to it: its rows are then gathered as columns
+    of the transposed table). Quantized leaves (``QArray``) and expert stacks stay as they are. For
+    one CPU device: a mesh's shardings name the ``[out, in]`` axes."""
+    spec = param_spec(config)
+    transpose = jax.jit(lambda x: InOut(jnp.swapaxes(x, -1, -2)))
+
+    def layer(lw: dict) -> dict:
+        return {k: transpose(v) if spec.layer[k].quantizable and len(spec.layer[k].shape) == 2
+                and not isinstance(v, QArray) else v for k, v in lw.items()}
+
+    layers = [layer(lw) for lw in weights.layers] if isinstance(weights.layers, list) else layer(weights.layers)
+    dense = lambda x: x is not None and not isinstance(x, QArray)
+    tied = weights.lm_head is None
+    return dataclasses.replace(weights, layers=layers,
+                               embed=transpose(weights.embed) if tied and dense(weights.embed) else weights.embed,
+                               lm_head=transpose(weights.lm_head) if dense(weights.lm_head) else weights.lm_head)
 
 
 def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32, finish=None) -> Weights:

@@ -14,6 +14,8 @@ from jaxinfer.paged.kv_cache import BatchMetadata, dequantize, quantize, segment
 # Scores are materialized for a block of queries at a time; this bounds a block's
 # (queries x context) so prefill of long prompts stays within memory.
 _BLOCK_ELEMENTS = 1 << 16
+# Queries per block when a step has several sequences (see ``ragged_paged_attention``).
+_SEGMENT_BLOCK = 16
 
 
 def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -64,7 +66,18 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         k_seq = k_seq.at[seq, at].set(new_kv[0].astype(k_seq.dtype), mode="drop")
         v_seq = v_seq.at[seq, at].set(new_kv[1].astype(v_seq.dtype), mode="drop")
 
-    block = max(1, min(num_tokens, _BLOCK_ELEMENTS // ctx))
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    key_pos = jnp.arange(ctx, dtype=jnp.int32)
+
+    # With one sequence (a batch-1 step) every query reads the same context: no per-query copy of it.
+    # A batch-1 verify step (speculative decoding: last token + k proposals) copied it k + 1 times per
+    # layer where a decode step copies it once (docs/benchmarks.md, issue 26). With several, blocks of
+    # _SEGMENT_BLOCK queries: one whose queries are all one sequence's (the packed tokens are grouped
+    # by sequence, so all but the blocks at a boundary in a prefill chunk) reads that context alone;
+    # the others copy each query's context. Copying it for every query of a 128-token step cost
+    # SmolLM2 on CPU ~1.6x the step (125 prefill + 3 decode tokens, 1.04 s -> 0.62 s, contended).
+    one = num_seqs == 1
+    block = max(1, min(num_tokens, _BLOCK_ELEMENTS // ctx, num_tokens if one else _SEGMENT_BLOCK))
     num_blocks = -(-num_tokens // block)
     pad = num_blocks * block - num_tokens
 
@@ -72,18 +85,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_blocks, block, *x.shape[1:])
 
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    key_pos = jnp.arange(ctx, dtype=jnp.int32)
-
-    # With one sequence (a batch-1 step) every query reads the same context: no per-query copy of it.
-    # A batch-1 verify step (speculative decoding: last token + k proposals) copied it k + 1 times per
-    # layer where a decode step copies it once (docs/benchmarks.md, issue 26).
-    one = num_seqs == 1
-    ctx_of = "ckd" if one else "bckd"
-
-    def attend(args):
-        qb, sb, pb, vb = args  # [B, KVH, G, D], [B], [B], [B]
-        kb, vvb = (k_seq[0], v_seq[0]) if one else (k_seq[sb], v_seq[sb])  # [(B,) ctx, KVH, D]
+    def attend_to(qb, pb, vb, kb, vvb):
+        ctx_of = "ckd" if kb.ndim == 3 else "bckd"  # one context for the block, or one per query
         s = jnp.einsum(f"bkgd,{ctx_of}->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST) * scale
         if soft_cap is not None:
@@ -99,6 +102,15 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         out = jnp.einsum(f"bkgc,{ctx_of}->bkgd", p, vvb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)
         return out.astype(q.dtype)
+
+    def attend(args):
+        qb, sb, pb, vb = args  # [B, KVH, G, D], [B], [B], [B]
+        if one:
+            return attend_to(qb, pb, vb, k_seq[0], v_seq[0])
+        first = sb[0]  # padding queries (~vb) may name any sequence: they are masked out
+        return jax.lax.cond(jnp.all((sb == first) | ~vb),
+                            lambda: attend_to(qb, pb, vb, k_seq[first], v_seq[first]),
+                            lambda: attend_to(qb, pb, vb, k_seq[sb], v_seq[sb]))  # [B, ctx, KVH, D] each
 
     out = jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid)))
     return out.reshape(num_blocks * block, num_heads, head_dim)[:num_tokens]
