@@ -134,3 +134,18 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     if config.final_soft_cap is not None:
         logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
     return logits, (new_kv if ops.defer_kv_write else kv_cache)
+
+
+def first_token_layer(config: ModelConfig, lw: dict, layer: int, x: jax.Array) -> jax.Array:
+    """The residual stream ``x`` ``[hidden]`` of a one-token sequence (position 0) after decoder layer
+    ``layer`` (float weights ``lw``), through the same ``_layer`` as the step: the loaders follow the
+    first token through the model, layer by layer as it loads, to find the attention sink's massive
+    activations that quantized keys and values must keep (``models.weights``)."""
+    cache = KVCache.zeros(1, 1, 1, config.num_kv_heads, config.head_dim, jnp.float32)
+    zero = jnp.zeros((1,), jnp.int32)
+    md = BatchMetadata(slot_mapping=zero, page_table=zero[None], seq_lens=zero + 1,
+                       query_start=jnp.asarray([0, 1], jnp.int32), logits_indices=zero)
+    inv_freq = layer_rope_frequencies(config)[layer]
+    y, _, _ = _layer(config, Ops(), jnp.asarray(x, jnp.float32)[None], lw, 0, cache, zero, md, inv_freq,
+                     config.layer_window(layer))
+    return y[0]

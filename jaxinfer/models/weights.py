@@ -34,10 +34,11 @@ from tqdm.auto import tqdm
 from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
 from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
-from jaxinfer.models.layers import fold_norm
+from jaxinfer.models.decoder import first_token_layer
+from jaxinfer.models.layers import fold_norm, rms_norm
 from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
-from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, quantize, to_device,
-                            with_col_scale)
+from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme, quantize,
+                            to_device, with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
 from jaxinfer.user_cache import derived_from
 
@@ -207,13 +208,28 @@ def _float_dtype(dtype) -> np.dtype:
     return dt
 
 
+# How much the first token's attention input weighs the int4 grid search of key and value rows
+# (``_Assembler._sink_importance``). SmolLM2 int4-g64, 1,024 held tokens: see docs/benchmarks.md.
+SINK_WEIGHT = 100.0
+
+
+def _float32(x) -> np.ndarray:
+    return np.asarray(x, np.float32)
+
+
 class _Assembler:
     """Collects a checkpoint's tensors by canonical part (``families.py``), in HF orientation
     (``[out, in]``), and builds `Weights` (unrolled layout) as the spec lays them out.
 
     A layer's parts are cast, fused (q|k|v, gate|up, per-expert stacks), their norm gains folded into
     the projections after them, and moved to the device as soon as all of them have arrived, so host
-    copies exist only for layers still incomplete (one, for files in layer order)."""
+    copies exist only for layers still incomplete (one, for files in layer order).
+
+    Under an int4 scheme, layers are built in order once the embedding is known: the first token of
+    a sequence (``bos_token_id`` at position 0) is followed through each layer's float weights before
+    they are quantized (``decoder.first_token_layer``), and its attention input weighs the grid search
+    of ``wqkv``'s key and value rows (``_sink_importance``). The host then holds the complete layers
+    that wait for an earlier one (none for files in layer order)."""
 
     _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
@@ -223,16 +239,28 @@ class _Assembler:
         self.pending: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
         self.layers: list[dict | None] = [None] * config.num_layers
         self.globals: dict[str, jax.Array] = {}
+        # int4: the first token's residual stream (None until the embedding arrives), the next layer
+        # it enters, and the complete layers waiting for it
+        self.follow_sink = scheme is not None and parse_scheme(scheme)[0] == "int4"
+        self.sink: jax.Array | None = None
+        self.next_layer = 0
+        self.complete: dict[int, dict[str, np.ndarray]] = {}
 
-    def _mat(self, w, norm=None):
+    def _mat(self, w, norm=None, importance=None):
         """A quantizable leaf, its norm gain (if any) folded in; with a ``scheme``, quantized first
         and the gain kept explicit (``col_scale``): folded per-column gains stretch every group's
         range, and int4-g64 on SmolLM2 had +51% perplexity quantizing folded weights against +15%
         this way (docs/benchmarks.md)."""
         if self.scheme is None or isinstance(w, QArray):
             return self._cast(w if norm is None else fold_norm(norm, w))
-        q = quantize(np.asarray(w, np.float32), self.scheme)
+        q = quantize(np.asarray(w, np.float32), self.scheme, importance)
         return q if norm is None else with_col_scale(q, norm)
+
+    @staticmethod
+    def _float_mat(w, norm=None, importance=None):
+        """A leaf as the float model has it (norm folded, float32): what the first token runs through."""
+        del importance
+        return np.asarray(w if norm is None else fold_norm(norm, w), np.float32)
 
     def _cast(self, x):
         """A float leaf in the load dtype on the host; a ``QArray`` (blocks) as it is."""
@@ -257,6 +285,11 @@ class _Assembler:
         if name == "final_norm":
             array = np.asarray(array, np.float32) + self.norm_offset
         self.globals[name] = self._place(name, self._mat(array) if name == "lm_head" else self._cast(array), True)
+        if name == "embed" and self.follow_sink:
+            c = self.config
+            x = jnp.asarray(np.asarray(array[c.bos_token_id or 0], np.float32))
+            self.sink = x * c.hidden_size ** 0.5 if c.embed_scale else x
+            self._drain()
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
@@ -265,8 +298,42 @@ class _Assembler:
             array = np.asarray(array, np.float32) + self.norm_offset
         self.pending[layer][part] = array if isinstance(array, QArray) else np.asarray(array)
         if not self._missing(self.pending[layer]):
-            self.layers[layer] = self._build(self.pending[layer])
+            if self.follow_sink:
+                self.complete[layer] = self.pending[layer]
+                self._drain()
+            else:
+                self.layers[layer] = self._build(self.pending[layer])
             self.pending[layer] = {}
+
+    def _drain(self) -> None:
+        """Builds the complete layers the first token has reached, in order (``follow_sink``)."""
+        while self.sink is not None and self.next_layer in self.complete:
+            i = self.next_layer
+            p = self.complete.pop(i)
+            lw = {k: jnp.asarray(v) for k, v in self._leaves(p, self._float_mat, _float32).items()}
+            importance = self._sink_importance(p["attn_norm"])
+            self.sink = first_token_layer(self.config, lw, i, self.sink)
+            del lw
+            self.layers[i] = self._build(p, importance)
+            self.next_layer += 1
+
+    def _sink_importance(self, attn_norm) -> np.ndarray:
+        """Per-weight importance for ``wqkv`` ``[out, in]``: ``1 + SINK_WEIGHT * x^2 / mean(x^2)`` on the
+        key and value rows, 1 on the query rows, ``x`` the first token's attention input. Nearly every
+        position attends to that token (the attention sink), whose residual stream carries massive
+        activations in a few fixed dimensions (SmolLM2: dimension 507, ~500 times the mean square,
+        in every layer from the third on, for any first token), so a key or value row's error in
+        those columns shifts every position's attention, while a token's own error averages out.
+        Weighing them in the grid search of each group took SmolLM2 int4-g64 from +13.0% to +5.7%
+        perplexity on 512 held tokens (docs/benchmarks.md); the activations' mean square over
+        ordinary tokens, which dilutes the sink's, did not help."""
+        c = self.config
+        x = np.asarray(rms_norm(self.sink, jnp.asarray(attn_norm, jnp.float32), c.rms_norm_eps), np.float64)
+        k_v = 1.0 + SINK_WEIGHT * x * x / np.mean(x * x)
+        q_rows = c.num_heads * c.head_dim
+        importance = np.ones((q_rows + 2 * c.num_kv_heads * c.head_dim, len(x)), np.float32)
+        importance[q_rows:] = k_v
+        return importance
 
     def _missing(self, p: dict) -> list[str]:
         c = self.config
@@ -289,17 +356,24 @@ class _Assembler:
             need += (["gate_up"] if "gate_up" in p else ["gate", "up"]) + ["down"]
         return [n for n in need if n not in p]
 
-    def _build(self, p: dict) -> dict:
-        """One layer's leaves (``spec.param_spec(config).layer``). Norms are folded in float32 from the
+    def _build(self, p: dict, qkv_importance: np.ndarray | None = None) -> dict:
+        """One layer's leaves (``spec.param_spec(config).layer``) on the device."""
+        out = self._leaves(p, self._mat, self._cast, qkv_importance)
+        return {name: self._place(name, a, False) for name, a in out.items()}
+
+    def _leaves(self, p: dict, mat, put, qkv_importance: np.ndarray | None = None) -> dict:
+        """One layer's leaves on the host: matrices through ``mat`` (``_mat``: cast or quantized;
+        ``_float_mat``), the rest through ``put`` (a cast). Norms are folded in float32 from the
         checkpoint's values, then cast once."""
-        c, put = self.config, self._cast
+        c = self.config
         mlp_norm = p["mlp_norm"]
-        out = {"wqkv": self._mat(p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]]), p["attn_norm"])}
+        out = {"wqkv": mat(p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]]), p["attn_norm"],
+                           qkv_importance)}
         if c.qkv_bias:
             out["qkv_bias"] = put(np.concatenate([p["q_bias"], p["k_bias"], p["v_bias"]]))
         if c.qk_norm:
             out["q_norm"], out["k_norm"] = put(p["q_norm"]), put(p["k_norm"])
-        out["wo"] = self._mat(p["o"])
+        out["wo"] = mat(p["o"])
         if c.num_experts:
             out["router"] = put(fold_norm(mlp_norm, p["router"]))
             if "experts_gate" in p:
@@ -307,19 +381,19 @@ class _Assembler:
             else:
                 gate, up, down = (np.stack([p[f"expert{e}_{w}"] for e in range(c.num_experts)])
                                   for w in ("gate", "up", "down"))
-            out["experts_gate_up"] = self._mat(concat([gate, up]), mlp_norm)
-            out["experts_down"] = self._mat(down)
+            out["experts_gate_up"] = mat(concat([gate, up]), mlp_norm)
+            out["experts_down"] = mat(down)
             if c.shared_expert_intermediate_size:
-                out["shared_gate_up"] = self._mat(concat([p["shared_gate"], p["shared_up"]]), mlp_norm)
-                out["shared_down"] = self._mat(p["shared_down"])
+                out["shared_gate_up"] = mat(concat([p["shared_gate"], p["shared_up"]]), mlp_norm)
+                out["shared_down"] = mat(p["shared_down"])
                 out["shared_gate"] = put(fold_norm(mlp_norm, np.reshape(p["shared_expert_gate"], (1, -1))))
         else:
             gate_up = p["gate_up"] if "gate_up" in p else concat([p["gate"], p["up"]])
-            out["w_gate_up"] = self._mat(gate_up, mlp_norm)
-            out["w_down"] = self._mat(p["down"])
+            out["w_gate_up"] = mat(gate_up, mlp_norm)
+            out["w_down"] = mat(p["down"])
         if c.post_norms:
             out["post_attn_norm"], out["post_mlp_norm"] = put(p["post_attn_norm"]), put(p["post_mlp_norm"])
-        return {name: self._place(name, a, False) for name, a in out.items()}
+        return out
 
     def finish(self) -> Weights:
         missing = [f"layer {i}: {self._missing(p)[:6]}" for i, p in enumerate(self.pending) if self.layers[i] is None]
