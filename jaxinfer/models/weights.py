@@ -10,6 +10,9 @@ Quantization (``quantization``): ``"gguf"`` keeps a GGUF file's quantized matmul
 embedding in their own blocks (``jaxinfer.quant.gguf``; norm gains stay explicit as the blocks'
 ``col_scale``); a scheme of ``jaxinfer.quant.SCHEMES`` quantizes the spec's ``quantizable`` leaves of
 float weights from any source (after the norms are folded into them), one leaf at a time on the device.
+int4 loads from GGUF and safetensors also follow the first token through the float layers and weigh
+the key/value rows' grid search by its activations (``_Assembler._sink_importance``); orbax
+checkpoints and dummy weights (``quantize_weights``, ``init_dummy_weights``) are quantized unweighted.
 """
 
 from __future__ import annotations
@@ -580,6 +583,14 @@ def _safetensors_files(path: str) -> dict[str, str]:
     return files
 
 
+def _hf_layer_index(name: str) -> int:
+    """A safetensors name's layer (-1: a global), to read a shard's layers in order: index files list
+    ``layers.10`` before ``layers.2``, and int4 loads build layers in order (``_Assembler``), holding
+    complete later layers on the host until the earlier ones arrive."""
+    m = _HF_LAYER_RE.fullmatch(name)
+    return int(m.group(1)) if m else -1
+
+
 def _load_hf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None, scheme: str | None = None) -> Weights:
     from safetensors import safe_open
 
@@ -593,7 +604,7 @@ def _load_hf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None,
               unit="tensor") as bar:
         for shard, names in by_shard.items():
             with safe_open(shard, framework="np") as f:
-                for name in names:
+                for name in sorted(names, key=_hf_layer_index):
                     bar.update()
                     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight"
                                                                  and config.tie_word_embeddings):

@@ -2,7 +2,8 @@
 
 - ``int8``: symmetric per output channel (one float32 scale per row), bf16/f32 activations (w8a16);
 - ``int4-g32`` / ``int4-g64`` / ``int4-g128`` (``int4`` = g128): asymmetric round-to-nearest per
-  group of input columns, a float16 scale and float zero point per group (w4a16);
+  group of input columns, a float16 scale and float zero point per group (w4a16), the grid the best
+  of 21 least-squares fits, each weight's error optionally weighted by an ``importance``;
 - ``fp8``: float8 e4m3 with one float32 scale per output channel; activations get a dynamic scale
   per token and the matmul runs in fp8 (w8a8) on GPUs with fp8 tensor cores, emulated in float32
   on CPU (for tests).
