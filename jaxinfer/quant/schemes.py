@@ -66,7 +66,7 @@ def quantize(w: jax.Array, scheme: str, importance=None) -> QArray:
         raise ValueError(f"importance weighs the int4 grid search; quantization={scheme!r} has none "
                          f"({', '.join(f'int4-g{g}' for g in INT4_GROUPS)} do)")
     if fmt == "int4":
-        importance = jnp.ones((1,), jnp.float32) if importance is None else jnp.asarray(importance, jnp.float32)
+        importance = None if importance is None else jnp.asarray(importance, jnp.float32)
         values, scales, offsets = _int4(jnp.asarray(w), group, importance)
     else:
         values, scales, offsets = _QUANTIZERS[fmt](jnp.asarray(w), group)
@@ -103,20 +103,28 @@ def _int4(w, group, importance):
     not contain 0), scale and offset the ``importance``-weighted least-squares fit of the best of
     ``_GRID_STEPS``' codes, stored in float16 (the codes are then rounded, to nearest, against the
     float16 values). A group already on a 16-level grid (a Q4_1 block, at group 32) is reproduced
-    exactly, whatever the importance: its min/max codes fit with zero error."""
+    exactly, whatever the importance: its min/max codes fit with zero error. Without an importance
+    its multiplies are left out (weighing every leaf of a llama3-8b layer took 1.6x the time)."""
     *lead, n = w.shape
     g = w.astype(jnp.float32).reshape(*lead, n // group, group)
-    c = jnp.broadcast_to(importance, w.shape).reshape(g.shape)
+    if importance is None:
+        def weigh(x):
+            return x
+        sc = float(group)
+    else:
+        c = jnp.broadcast_to(importance, w.shape).reshape(g.shape)
+
+        def weigh(x):
+            return c * x
+        sc = jnp.sum(c, axis=-1, keepdims=True)
     lo, hi = jnp.min(g, axis=-1, keepdims=True), jnp.max(g, axis=-1, keepdims=True)
     span = jnp.where(hi > lo, hi - lo, 1.0)
     u = (g - lo) / span  # the group mapped onto [0, 1]: each grid's codes are one multiply away
-    cu = c * u
-    sc = jnp.sum(c, axis=-1, keepdims=True)
-    mean_u = jnp.sum(cu, axis=-1, keepdims=True) / sc  # weighted means throughout
+    mean_u = jnp.sum(weigh(u), axis=-1, keepdims=True) / sc  # weighted means throughout
     best = None
     for t in _GRID_STEPS:
         q = jnp.minimum(jnp.floor(u * (15.0 + t) + 0.5), 15.0)  # round half up: cheaper than round-half-even
-        cq = c * q
+        cq = weigh(q)
         # one variadic reduction (one pass over the group) for sum(c q), sum(c q^2), sum(c q u)
         sq, sqq, squ = jax.lax.reduce((cq, cq * q, cq * u), (0.0, 0.0, 0.0),
                                       lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]), (q.ndim - 1,))
