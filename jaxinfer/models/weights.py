@@ -245,7 +245,7 @@ class _Assembler:
         # int4: the first token's residual stream (None until the embedding arrives), the next layer
         # it enters, and the complete layers waiting for it
         self.follow_sink = scheme is not None and parse_scheme(scheme)[0] == "int4"
-        self.sink: jax.Array | None = None
+        self.sink: np.ndarray | jax.Array | None = None
         self.next_layer = 0
         self.complete: dict[int, dict[str, np.ndarray]] = {}
 
@@ -290,8 +290,8 @@ class _Assembler:
         self.globals[name] = self._place(name, self._mat(array) if name == "lm_head" else self._cast(array), True)
         if name == "embed" and self.follow_sink:
             c = self.config
-            x = jnp.asarray(np.asarray(array[c.bos_token_id or 0], np.float32))
-            self.sink = x * c.hidden_size ** 0.5 if c.embed_scale else x
+            x = np.asarray(array[c.bos_token_id or 0], np.float32)
+            self.sink = x * np.float32(c.hidden_size ** 0.5) if c.embed_scale else x
             self._drain()
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
@@ -309,13 +309,16 @@ class _Assembler:
             self.pending[layer] = {}
 
     def _drain(self) -> None:
-        """Builds the complete layers the first token has reached, in order (``follow_sink``)."""
+        """Builds the complete layers the first token has reached, in order (``follow_sink``). The
+        first token runs on the host's CPU: one token is little work, and a float32 copy of each
+        layer on the accelerator would come and go between the quantized leaves there."""
         while self.sink is not None and self.next_layer in self.complete:
             i = self.next_layer
             p = self.complete.pop(i)
-            lw = {k: jnp.asarray(v) for k, v in self._leaves(p, self._float_mat, _float32).items()}
-            importance = self._sink_importance(p["attn_norm"])
-            self.sink = first_token_layer(self.config, lw, i, self.sink)
+            with jax.default_device(jax.devices("cpu")[0]):
+                importance = self._sink_importance(p["attn_norm"])
+                lw = {k: jnp.asarray(v) for k, v in self._leaves(p, self._float_mat, _float32).items()}
+                self.sink = first_token_layer(self.config, lw, i, self.sink)
             del lw
             self.layers[i] = self._build(p, importance)
             self.next_layer += 1
@@ -324,14 +327,15 @@ class _Assembler:
         """Per-weight importance for ``wqkv`` ``[out, in]``: ``1 + SINK_WEIGHT * x^2 / mean(x^2)`` on the
         key and value rows, 1 on the query rows, ``x`` the first token's attention input. Nearly every
         position attends to that token (the attention sink), whose residual stream carries massive
-        activations in a few fixed dimensions (SmolLM2: dimension 507, ~500 times the mean square,
-        in every layer from the third on, for any first token), so a key or value row's error in
+        activations in a few fixed dimensions (SmolLM2: dimension 507, ~500 times the mean square
+        from the sixth layer on, whatever the first token), so a key or value row's error in
         those columns shifts every position's attention, while a token's own error averages out.
-        Weighing them in the grid search of each group took SmolLM2 int4-g64 from +13.0% to +5.7%
-        perplexity on 512 held tokens (docs/benchmarks.md); the activations' mean square over
+        Weighing them in the grid search of each group took SmolLM2 int4-g64 from +11.5% to +6.4%
+        perplexity on 1,024 held tokens (docs/benchmarks.md); the activations' mean square over
         ordinary tokens, which dilutes the sink's, did not help."""
         c = self.config
-        x = np.asarray(rms_norm(self.sink, jnp.asarray(attn_norm, jnp.float32), c.rms_norm_eps), np.float64)
+        x = rms_norm(jnp.asarray(self.sink), jnp.asarray(attn_norm, jnp.float32), c.rms_norm_eps)
+        x = np.asarray(x, np.float64)
         k_v = 1.0 + SINK_WEIGHT * x * x / np.mean(x * x)
         q_rows = c.num_heads * c.head_dim
         importance = np.ones((q_rows + 2 * c.num_kv_heads * c.head_dim, len(x)), np.float32)
