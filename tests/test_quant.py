@@ -241,7 +241,8 @@ DENSE = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_lay
 @pytest.mark.parametrize("config", [DENSE, dataclasses.replace(MOE, layer_loop="unroll")], ids=["dense", "moe"])
 def test_first_token_layer_matches_forward(config):
     """``decoder.first_token_layer`` layer after layer (what the int4 loaders follow) ends where the
-    step's ``forward`` of a one-token sequence does: the same logits."""
+    step's ``forward`` of a one-token sequence does: the same logits; it names the input of each
+    dense matrix it recorded (MoE experts: none)."""
     from jaxinfer.models.decoder import first_token_layer, forward
     from jaxinfer.models.spec import init_dummy_weights
     from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
@@ -249,7 +250,9 @@ def test_first_token_layer_matches_forward(config):
     weights = init_dummy_weights(config, jax.random.key(1))
     x = weights.embed[5]
     for i, lw in enumerate(weights.layers):
-        x = first_token_layer(config, lw, i, x)
+        x, inputs = first_token_layer(config, lw, i, x)
+        assert {k: (v.shape[-1],) for k, v in lw.items() if k in inputs} == {k: v.shape for k, v in inputs.items()}
+        assert sorted(inputs) == (["w_down", "w_gate_up", "wo"] if not config.num_experts else ["wo"])
     head = weights.embed if weights.lm_head is None else weights.lm_head
     got = layers.linear(layers.rms_norm(x[None], weights.final_norm, config.rms_norm_eps), head, jnp.float32)
     cache = KVCache.zeros(config.num_layers, 1, 4, config.num_kv_heads, config.head_dim)

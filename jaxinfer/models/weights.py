@@ -11,7 +11,7 @@ embedding in their own blocks (``jaxinfer.quant.gguf``; norm gains stay explicit
 ``col_scale``); a scheme of ``jaxinfer.quant.SCHEMES`` quantizes the spec's ``quantizable`` leaves of
 float weights from any source (after the norms are folded into them), one leaf at a time on the device.
 int4 loads from GGUF and safetensors also follow the first token through the float layers and weigh
-the key/value rows' grid search by its activations (``_Assembler._sink_importance``); orbax
+each matrix's grid search by that token's activations (``_Assembler._sink_importance``); orbax
 checkpoints and dummy weights (``quantize_weights``, ``init_dummy_weights``) are quantized unweighted.
 """
 
@@ -211,7 +211,7 @@ def _float_dtype(dtype) -> np.dtype:
     return dt
 
 
-# How much the first token's attention input weighs the int4 grid search of key and value rows
+# How much the first token's activations weigh the int4 grid search
 # (``_Assembler._sink_importance``). SmolLM2 int4-g64, 1,024 held tokens: see docs/benchmarks.md.
 SINK_WEIGHT = 100.0
 
@@ -230,9 +230,9 @@ class _Assembler:
 
     Under an int4 scheme, layers are built in order once the embedding is known: the first token of
     a sequence (``bos_token_id`` at position 0) is followed through each layer's float weights before
-    they are quantized (``decoder.first_token_layer``), and its attention input weighs the grid search
-    of ``wqkv``'s key and value rows (``_sink_importance``). The host then holds the complete layers
-    that wait for an earlier one (none for files in layer order)."""
+    they are quantized (``decoder.first_token_layer``), and what it feeds each matrix weighs that
+    matrix's grid search (``_sink_importance``). The host then holds the complete layers that wait
+    for an earlier one (none for files in layer order)."""
 
     _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
@@ -316,31 +316,39 @@ class _Assembler:
             i = self.next_layer
             p = self.complete.pop(i)
             with jax.default_device(jax.devices("cpu")[0]):
-                importance = self._sink_importance(p["attn_norm"])
                 lw = {k: jnp.asarray(v) for k, v in self._leaves(p, self._float_mat, _float32).items()}
-                self.sink = first_token_layer(self.config, lw, i, self.sink)
+                x = rms_norm(jnp.asarray(self.sink), jnp.asarray(p["attn_norm"], jnp.float32),
+                             self.config.rms_norm_eps)
+                self.sink, inputs = first_token_layer(self.config, lw, i, self.sink)
+                if "w_gate_up" in inputs:  # the norm's gain, kept out of the quantized weights, is in their input
+                    inputs["w_gate_up"] = inputs["w_gate_up"] * jnp.asarray(p["mlp_norm"], jnp.float32)
+                importance = self._sink_importance(dict(inputs, wqkv=x))
             del lw
             self.layers[i] = self._build(p, importance)
             self.next_layer += 1
 
-    def _sink_importance(self, attn_norm) -> np.ndarray:
-        """Per-weight importance for ``wqkv`` ``[out, in]``: ``1 + SINK_WEIGHT * x^2 / mean(x^2)`` on the
-        key and value rows, 1 on the query rows, ``x`` the first token's attention input. Nearly every
-        position attends to that token (the attention sink), whose residual stream carries massive
-        activations in a few fixed dimensions (SmolLM2: dimension 507, ~500 times the mean square
-        from the sixth layer on, whatever the first token), so a key or value row's error in
-        those columns shifts every position's attention, while a token's own error averages out.
-        Weighing them in the grid search of each group took SmolLM2 int4-g64 from +11.5% to +6.4%
-        perplexity on 1,024 held tokens (docs/benchmarks.md); the activations' mean square over
-        ordinary tokens, which dilutes the sink's, did not help."""
+    def _sink_importance(self, inputs: dict) -> dict[str, np.ndarray]:
+        """Per-column importance ``1 + SINK_WEIGHT * x^2 / mean(x^2)`` of each matrix the first token
+        fed ``x`` (``inputs``, by leaf; ``wqkv``: its key and value rows only, query rows 1).
+        Nearly every position attends to that token (the attention sink), whose residual stream
+        carries massive activations in a few fixed dimensions (SmolLM2: dimension 507, ~500 times the
+        mean square from the sixth layer on, whatever the first token), so a key or value row's
+        error in those columns shifts every position's attention, while a token's own error averages
+        out; and the sink's own state, which every later layer's keys and values read, runs through
+        ``wo`` and the MLP. Its query rows do not matter: a lone token's attention output is its
+        value. SmolLM2 int4-g64 (docs/benchmarks.md): perplexity +11.5% -> +6.4% on 1,024 held
+        tokens weighing the key/value rows; the activations' mean square over ordinary tokens, which
+        dilutes the sink's, did not help."""
         c = self.config
-        x = rms_norm(jnp.asarray(self.sink), jnp.asarray(attn_norm, jnp.float32), c.rms_norm_eps)
-        x = np.asarray(x, np.float64)
-        k_v = 1.0 + SINK_WEIGHT * x * x / np.mean(x * x)
+        out = {}
+        for name, x in inputs.items():
+            x = np.asarray(x, np.float64)
+            out[name] = (1.0 + SINK_WEIGHT * x * x / np.mean(x * x)).astype(np.float32)
         q_rows = c.num_heads * c.head_dim
-        importance = np.ones((q_rows + 2 * c.num_kv_heads * c.head_dim, len(x)), np.float32)
-        importance[q_rows:] = k_v
-        return importance
+        qkv = np.ones((q_rows + 2 * c.num_kv_heads * c.head_dim, len(out["wqkv"])), np.float32)
+        qkv[q_rows:] = out["wqkv"]
+        out["wqkv"] = qkv
+        return out
 
     def _missing(self, p: dict) -> list[str]:
         c = self.config
@@ -363,24 +371,25 @@ class _Assembler:
             need += (["gate_up"] if "gate_up" in p else ["gate", "up"]) + ["down"]
         return [n for n in need if n not in p]
 
-    def _build(self, p: dict, qkv_importance: np.ndarray | None = None) -> dict:
+    def _build(self, p: dict, importance: dict | None = None) -> dict:
         """One layer's leaves (``spec.param_spec(config).layer``) on the device."""
-        out = self._leaves(p, self._mat, self._cast, qkv_importance)
+        out = self._leaves(p, self._mat, self._cast, importance)
         return {name: self._place(name, a, False) for name, a in out.items()}
 
-    def _leaves(self, p: dict, mat, put, qkv_importance: np.ndarray | None = None) -> dict:
-        """One layer's leaves on the host: matrices through ``mat`` (``_mat``: cast or quantized;
-        ``_float_mat``), the rest through ``put`` (a cast). Norms are folded in float32 from the
-        checkpoint's values, then cast once."""
+    def _leaves(self, p: dict, mat, put, importance: dict | None = None) -> dict:
+        """One layer's leaves on the host: matrices through ``mat`` (``_mat``: cast or quantized, with
+        ``importance`` by leaf name where given; ``_float_mat``), the rest through ``put`` (a cast).
+        Norms are folded in float32 from the checkpoint's values, then cast once."""
+        importance = importance or {}
         c = self.config
         mlp_norm = p["mlp_norm"]
         out = {"wqkv": mat(p["qkv"] if "qkv" in p else concat([p["q"], p["k"], p["v"]]), p["attn_norm"],
-                           qkv_importance)}
+                           importance.get("wqkv"))}
         if c.qkv_bias:
             out["qkv_bias"] = put(np.concatenate([p["q_bias"], p["k_bias"], p["v_bias"]]))
         if c.qk_norm:
             out["q_norm"], out["k_norm"] = put(p["q_norm"]), put(p["k_norm"])
-        out["wo"] = mat(p["o"])
+        out["wo"] = mat(p["o"], None, importance.get("wo"))
         if c.num_experts:
             out["router"] = put(fold_norm(mlp_norm, p["router"]))
             if "experts_gate" in p:
@@ -396,8 +405,8 @@ class _Assembler:
                 out["shared_gate"] = put(fold_norm(mlp_norm, np.reshape(p["shared_expert_gate"], (1, -1))))
         else:
             gate_up = p["gate_up"] if "gate_up" in p else concat([p["gate"], p["up"]])
-            out["w_gate_up"] = mat(gate_up, mlp_norm)
-            out["w_down"] = mat(p["down"])
+            out["w_gate_up"] = mat(gate_up, mlp_norm, importance.get("w_gate_up"))
+            out["w_down"] = mat(p["down"], None, importance.get("w_down"))
         if c.post_norms:
             out["post_attn_norm"], out["post_mlp_norm"] = put(p["post_attn_norm"]), put(p["post_mlp_norm"])
         return out
