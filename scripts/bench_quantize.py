@@ -3,8 +3,8 @@ spec's shapes) quantized by each scheme, leaf by leaf as the loaders do, on what
 has. The first call of a shape includes its compilation; the figure that scales to a whole model is
 the second (a model's layers share shapes, so they compile once). Multiply by ``num_layers`` for the
 model's load-time cost (lm_head aside). int4 loads also run the first token through each float layer
-(``decoder.first_token_layer``, for the key/value rows' importance): timed once, as ``first_token``;
-their ``wqkv`` is quantized with an importance (the weighted search), as the loaders do.
+(``decoder.first_token_layer``, for the matrices' importance): timed once, as ``first_token``; their
+matrices are quantized with an importance (the weighted search), as the loaders do.
 
     python scripts/bench_quantize.py --model llama3-8b --schemes int8,int4-g64,int4-g128,fp8
 """
@@ -55,7 +55,8 @@ def main(argv):
         for _ in range(2):
             t0 = time.perf_counter()
             for k, w in leaves.items():
-                importance = jnp.ones(w.shape, jnp.float32) if k == "wqkv" and scheme.startswith("int4") else None
+                importance = (jnp.ones(w.shape if k == "wqkv" else w.shape[-1:], jnp.float32)
+                              if scheme.startswith("int4") else None)
                 jax.block_until_ready(quantize(w, scheme, importance))
             times.append(time.perf_counter() - t0)
         rows.append(dict(scheme=scheme, first_s=times[0], layer_s=times[1],

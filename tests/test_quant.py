@@ -117,9 +117,9 @@ def test_int4_importance_weighs_the_grid_search():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((64, 512)).astype(np.float32) * 0.02
     on_grid = gguf_dequantize(gguf_quantize(w, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
-    random_importance = jnp.asarray(rng.uniform(0.1, 100.0, (64, 512)), jnp.float32)
-    np.testing.assert_array_equal(
-        np.asarray(dequantize(quantize(jnp.asarray(on_grid), "int4-g32", random_importance))), on_grid)
+    for importance in (rng.uniform(0.1, 100.0, (64, 512)), np.where(rng.uniform(size=512) < 0.02, 1e3, 1.0)):
+        got = dequantize(quantize(jnp.asarray(on_grid), "int4-g32", jnp.asarray(importance, jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(got), on_grid)  # 1e3: models.weights.SINK_WEIGHT_MAX
     c = np.ones(512, np.float32)
     c[5::64] = 500.0  # one column in each group of 64
     plain = np.asarray(dequantize(quantize(jnp.asarray(w), "int4-g64"))) - w

@@ -214,6 +214,10 @@ def _float_dtype(dtype) -> np.dtype:
 # How much the first token's activations weigh the int4 grid search
 # (``_Assembler._sink_importance``). SmolLM2 int4-g64, 1,024 held tokens: see docs/benchmarks.md.
 SINK_WEIGHT = 100.0
+# ... and at most: the search's one-pass float32 sums cancel at 1e4 : 1 already (SmolLM2 int4-g32
+# then stopped reproducing its Q4_1 grid exactly; at 1e3 it is bit for bit), and the key/value rows
+# weighed by 10, 100 or 1000 x measured alike.
+SINK_WEIGHT_MAX = 1e3
 
 
 def _float32(x) -> np.ndarray:
@@ -328,8 +332,9 @@ class _Assembler:
             self.next_layer += 1
 
     def _sink_importance(self, inputs: dict) -> dict[str, np.ndarray]:
-        """Per-column importance ``1 + SINK_WEIGHT * x^2 / mean(x^2)`` of each matrix the first token
-        fed ``x`` (``inputs``, by leaf; ``wqkv``: its key and value rows only, query rows 1).
+        """Per-column importance ``1 + SINK_WEIGHT * x^2 / mean(x^2)`` (at most ``SINK_WEIGHT_MAX``) of
+        each matrix the first token fed ``x`` (``inputs``, by leaf; ``wqkv``: its key and value rows
+        only, query rows 1).
         Nearly every position attends to that token (the attention sink), whose residual stream
         carries massive activations in a few fixed dimensions (SmolLM2: dimension 507, ~500 times the
         mean square from the sixth layer on, whatever the first token), so a key or value row's
@@ -343,7 +348,7 @@ class _Assembler:
         out = {}
         for name, x in inputs.items():
             x = np.asarray(x, np.float64)
-            out[name] = (1.0 + SINK_WEIGHT * x * x / np.mean(x * x)).astype(np.float32)
+            out[name] = np.minimum(1.0 + SINK_WEIGHT * x * x / np.mean(x * x), SINK_WEIGHT_MAX).astype(np.float32)
         q_rows = c.num_heads * c.head_dim
         qkv = np.ones((q_rows + 2 * c.num_kv_heads * c.head_dim, len(out["wqkv"])), np.float32)
         qkv[q_rows:] = out["wqkv"]

@@ -133,13 +133,21 @@ def _int4(w, group, importance):
         slu = squ[..., None] - sq[..., None] * mean_u  # sum(c (q - mean q) (u - mean u))
         ok = sll > 0
         s = jnp.where(ok, slu / jnp.where(ok, sll, 1.0), 0.0)  # the least-squares slope, in u's units
-        cand = (jnp.where(ok, s * slu, -1.0), s, mean_u - s * mean_q)  # error = sum(c (u - mean u)^2) - s * slu
+        cand = (jnp.where(ok, s * slu, -1.0), jnp.float32(t))  # error = sum(c (u - mean u)^2) - s * slu
         if best is None:
             best = cand
         else:
             take = cand[0] > best[0]
             best = tuple(jnp.where(take, a, b) for a, b in zip(cand, best))
-    _, s, m = best
+    # The chosen codes' fit again, from centred sums: with a few weights thousands of times the rest
+    # the one-pass sums above cancel badly, and a group on a 16-level grid must come back exactly.
+    q = jnp.minimum(jnp.floor(u * (15.0 + best[1]) + 0.5), 15.0)
+    mean_q = jnp.sum(weigh(q), axis=-1, keepdims=True) / sc
+    dq = q - mean_q
+    sll = jnp.sum(weigh(dq * dq), axis=-1, keepdims=True)
+    slu = jnp.sum(weigh(dq * (u - mean_u)), axis=-1, keepdims=True)
+    s = jnp.where(sll > 0, slu / jnp.where(sll > 0, sll, 1.0), 0.0)
+    m = mean_u - s * mean_q
     s, m = s * span, lo + m * span
     s = s[..., 0].astype(jnp.float16)
     s = jnp.where(s == 0, jnp.float16(1), s)
