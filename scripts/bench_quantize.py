@@ -48,7 +48,8 @@ def main(argv):
             jax.block_until_ready(first_token_layer(config, layer, 0, jnp.ones(config.hidden_size, jnp.float32)))
             times.append(time.perf_counter() - t0)
         del layer
-        rows.append(dict(scheme="first_token", first_s=times[0], layer_s=times[1], model_s=times[1] * config.num_layers))
+        rows.append(dict(scheme="first_token", first_s=times[0], layer_s=times[1],
+                         model_s=times[1] * config.num_layers))
         print(rows[-1], flush=True)
     for scheme in F.schemes:
         times = []
