@@ -341,8 +341,8 @@ class _Assembler:
         error in those columns shifts every position's attention, while a token's own error averages
         out; and the sink's own state, which every later layer's keys and values read, runs through
         ``wo`` and the MLP. Its query rows do not matter: a lone token's attention output is its
-        value. SmolLM2 int4-g64 (docs/benchmarks.md): perplexity +11.5% -> +6.4% on 1,024 held
-        tokens weighing the key/value rows; the activations' mean square over ordinary tokens, which
+        value. SmolLM2 int4-g64 (docs/benchmarks.md): perplexity +11.5% -> +5.2% on the first 1,024 held
+        tokens, +27.2% -> +14.2% on all 3,267; the activations' mean square over ordinary tokens, which
         dilutes the sink's, did not help."""
         c = self.config
         out = {}
