@@ -2,7 +2,9 @@
 spec's shapes) quantized by each scheme, leaf by leaf as the loaders do, on whatever device JAX
 has. The first call of a shape includes its compilation; the figure that scales to a whole model is
 the second (a model's layers share shapes, so they compile once). Multiply by ``num_layers`` for the
-model's load-time cost (lm_head aside).
+model's load-time cost (lm_head aside). int4 loads also run the first token through each float layer
+(``decoder.first_token_layer``, for the matrices' importance): timed once, as ``first_token``; their
+matrices are quantized with an importance (the weighted search), as the loaders do.
 
     python scripts/bench_quantize.py --model llama3-8b --schemes int8,int4-g64,int4-g128,fp8
 """
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from jaxinfer.models.config import PRESETS
+from jaxinfer.models.decoder import first_token_layer
 from jaxinfer.models.spec import param_spec
 from jaxinfer.quant import quantize
 
@@ -37,12 +40,25 @@ def main(argv):
               for i, (k, s) in enumerate(spec.items()) if s.quantizable}
     jax.block_until_ready(leaves)
     rows = []
+    if any(scheme.startswith("int4") for scheme in F.schemes):
+        layer = {k: leaves[k] if k in leaves else jnp.ones(s.shape, jnp.float32) for k, s in spec.items()}
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            jax.block_until_ready(first_token_layer(config, layer, 0, jnp.ones(config.hidden_size, jnp.float32)))
+            times.append(time.perf_counter() - t0)
+        del layer
+        rows.append(dict(scheme="first_token", first_s=times[0], layer_s=times[1],
+                         model_s=times[1] * config.num_layers))
+        print(rows[-1], flush=True)
     for scheme in F.schemes:
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            for w in leaves.values():
-                jax.block_until_ready(quantize(w, scheme))
+            for k, w in leaves.items():
+                importance = (jnp.ones(w.shape if k == "wqkv" else w.shape[-1:], jnp.float32)
+                              if scheme.startswith("int4") else None)
+                jax.block_until_ready(quantize(w, scheme, importance))
             times.append(time.perf_counter() - t0)
         rows.append(dict(scheme=scheme, first_s=times[0], layer_s=times[1],
                          model_s=times[1] * config.num_layers))

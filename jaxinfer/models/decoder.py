@@ -13,12 +13,15 @@ weights, so no layer loses its own window.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import LayerChoice, Ops, embed, layer_rope_frequencies, linear, rms_norm, rms_scale, rope_qkv
+from jaxinfer.models.layers import (LayerChoice, Ops, embed, gated_activation, layer_rope_frequencies, linear, rms_norm,
+                                    rms_scale, rope_qkv)
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
@@ -134,3 +137,32 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     if config.final_soft_cap is not None:
         logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
     return logits, (new_kv if ops.defer_kv_write else kv_cache)
+
+
+def first_token_layer(config: ModelConfig, lw: dict, layer: int, x: jax.Array) -> tuple[jax.Array, dict]:
+    """The residual stream ``x`` ``[hidden]`` of a one-token sequence (position 0) after decoder layer
+    ``layer`` (float weights ``lw``), through the same ``_layer`` as the step, and what that token's
+    attention output and dense MLP fed to ``wo``, ``w_gate_up`` (normalized, before the norm's gain)
+    and ``w_down``, by name (MoE experts: not recorded). The loaders follow the first token through
+    the model, layer by layer as it loads, to find the attention sink's massive activations that
+    quantized weights must keep (``models.weights``)."""
+    inputs, ops = {}, Ops()
+
+    def attention(*args, **kwargs):
+        out = ops.attention(*args, **kwargs)
+        inputs["wo"] = out.reshape(-1)
+        return out
+
+    def mlp(x, w_gate_up, w_down, r, act):
+        a = gated_activation(x, w_gate_up, r, act)
+        inputs["w_gate_up"], inputs["w_down"] = (x * r)[0], a[0]
+        return linear(a, w_down)
+
+    cache = KVCache.zeros(1, 1, 1, config.num_kv_heads, config.head_dim, jnp.float32)
+    zero = jnp.zeros((1,), jnp.int32)
+    md = BatchMetadata(slot_mapping=zero, page_table=zero[None], seq_lens=zero + 1,
+                       query_start=jnp.asarray([0, 1], jnp.int32), logits_indices=zero)
+    inv_freq = layer_rope_frequencies(config)[layer]
+    y, _, _ = _layer(config, dataclasses.replace(ops, attention=attention, mlp=mlp), jnp.asarray(x, jnp.float32)[None],
+                     lw, 0, cache, zero, md, inv_freq, config.layer_window(layer))
+    return y[0], inputs

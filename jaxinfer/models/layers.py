@@ -197,8 +197,13 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu,
 def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, r: jax.Array, act: str) -> jax.Array:
     """``down(act(gate) * up)`` of the normalized ``x`` (``r``: its rms scale ``[T, 1]``; the norm's
     gain is folded into ``w_gate_up`` ``[2F, D]``)."""
+    return linear(gated_activation(x, w_gate_up, r, act), w_down)
+
+
+def gated_activation(x: jax.Array, w_gate_up: jax.Array, r: jax.Array, act: str) -> jax.Array:
+    """``act(gate) * up``: ``gated_mlp``'s down projection's input."""
     gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
-    return linear((_ACTIVATIONS[act](gate * r) * (up * r)).astype(x.dtype), w_down)
+    return (_ACTIVATIONS[act](gate * r) * (up * r)).astype(x.dtype)
 
 
 def moe(x: jax.Array, r: jax.Array, lw: dict, config: ModelConfig) -> jax.Array:

@@ -2,7 +2,8 @@
 
 - ``int8``: symmetric per output channel (one float32 scale per row), bf16/f32 activations (w8a16);
 - ``int4-g32`` / ``int4-g64`` / ``int4-g128`` (``int4`` = g128): asymmetric round-to-nearest per
-  group of input columns, a float16 scale and float zero point per group (w4a16);
+  group of input columns, a float16 scale and float zero point per group (w4a16), the grid the best
+  of 21 least-squares fits, each weight's error optionally weighted by an ``importance``;
 - ``fp8``: float8 e4m3 with one float32 scale per output channel; activations get a dynamic scale
   per token and the matmul runs in fp8 (w8a8) on GPUs with fp8 tensor cores, emulated in float32
   on CPU (for tests).
@@ -50,15 +51,25 @@ def check_device_supports(scheme: str, device=None) -> None:
                      f"{tuple(s for s in SCHEMES if s != 'fp8')}")
 
 
-def quantize(w: jax.Array, scheme: str) -> QArray:
-    """A float weight ``[..., out, in]`` quantized by ``scheme`` (see the module docstring)."""
+def quantize(w: jax.Array, scheme: str, importance=None) -> QArray:
+    """A float weight ``[..., out, in]`` quantized by ``scheme`` (see the module docstring).
+
+    ``importance`` (int4 only; broadcastable to ``w``, positive): how much each weight's squared error
+    counts in the choice of its group's grid (``_int4``); None weighs all alike."""
     fmt, group = parse_scheme(scheme)
     n = w.shape[-1]
     if group is not None and n % group:
         raise ValueError(f"quantization={scheme!r}: group size {group} does not divide the weight's input "
                          f"dimension {n} (shape {tuple(w.shape)}); use a group size among "
                          f"{tuple(g for g in INT4_GROUPS if n % g == 0) or 'none'} or 'int8'")
-    values, scales, offsets = _QUANTIZERS[fmt](jnp.asarray(w), group)
+    if importance is not None and fmt != "int4":
+        raise ValueError(f"importance weighs the int4 grid search; quantization={scheme!r} has none "
+                         f"({', '.join(f'int4-g{g}' for g in INT4_GROUPS)} do)")
+    if fmt == "int4":
+        importance = None if importance is None else jnp.asarray(importance, jnp.float32)
+        values, scales, offsets = _int4(jnp.asarray(w), group, importance)
+    else:
+        values, scales, offsets = _QUANTIZERS[fmt](jnp.asarray(w), group)
     return QArray(values, scales, offsets, None, None, fmt, group or n)
 
 
@@ -73,48 +84,70 @@ def _int8(w, group):
 
 # The grids tried per group, as llama.cpp's make_qkx2_quants tries them for Q4_K (ggml-quants.c:
 # rmin -1, rdelta 0.1, nstep 20): codes rounded at inverse scales (15 + t) / (max - min), t in
-# -1.0 ... +1.0 (t = 0: min/max); each set of codes gets its least-squares scale and offset, and the
-# one with the least squared error wins. SmolLM2 int4-g64, perplexity on 512 held tokens (float32
-# 16.90): 20.03 with the 9 range trims this replaced, 19.21 with these. Measured no better (all
-# within the +-3% that equally good grids scatter by on this model): weighting errors by the norm
-# gain squared (19.53) or |gain| (19.76), llama.cpp's rms + |x| weights (19.82), the activations'
-# own second moments from 1,024 other held tokens (19.43: a calibrated imatrix does not help either),
-# two alternating refits (19.38), 41 grids over t in -3 ... +1 (19.33), 16 asymmetric trims with
-# refits (19.76, though the least weight error of all).
+# -1.0 ... +1.0 (t = 0: min/max); each set of codes gets its (importance-weighted) least-squares
+# scale and offset, and the one with the least weighted squared error wins. SmolLM2 int4-g64,
+# perplexity on 512 held tokens (float32 16.90): 20.03 with the 9 range trims this replaced, 19.21
+# with these. Measured no better (all within the +-3% that equally good grids scatter by on this
+# model): weighting errors by the norm gain squared (19.53) or |gain| (19.76), llama.cpp's rms + |x|
+# weights (19.82), the activations' own second moments from 1,024 other held tokens (19.43), two
+# alternating refits (19.38), 41 grids over t in -3 ... +1 (19.33), 16 asymmetric trims with refits
+# (19.76, though the least weight error of all), HQQ's lp (p = 0.7) zero-point optimisation from
+# min/max (19.96) or from this search (19.38). What did help is an importance from the first
+# token's activations (``models.weights``: the attention sink's massive dimensions), 19.11 -> 17.86.
 _GRID_STEPS = tuple(round(-1.0 + 0.1 * i, 6) for i in range(21))
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _int4(w, group):
+def _int4(w, group, importance):
     """``w = q * scale + offset`` per group (a float zero point, as llama.cpp's Q4_1: the grid need
-    not contain 0), scale and offset the least-squares fit of the best of ``_GRID_STEPS``' codes,
-    stored in float16 (the codes are then rounded against the float16 values). A group already on
-    a 16-level grid (a Q4_1 block, at group 32) is reproduced exactly: its min/max codes fit with
-    zero error."""
+    not contain 0), scale and offset the ``importance``-weighted least-squares fit of the best of
+    ``_GRID_STEPS``' codes, stored in float16 (the codes are then rounded, to nearest, against the
+    float16 values). A group already on a 16-level grid (a Q4_1 block, at group 32) is reproduced
+    exactly, whatever the importance: its min/max codes fit with zero error. Without an importance
+    its multiplies are left out (they cost ~1.3x on a llama3-8b w_gate_up)."""
     *lead, n = w.shape
     g = w.astype(jnp.float32).reshape(*lead, n // group, group)
+    if importance is None:
+        def weigh(x):
+            return x
+        sc = float(group)
+    else:
+        c = jnp.broadcast_to(importance, w.shape).reshape(g.shape)
+
+        def weigh(x):
+            return c * x
+        sc = jnp.sum(c, axis=-1, keepdims=True)
     lo, hi = jnp.min(g, axis=-1, keepdims=True), jnp.max(g, axis=-1, keepdims=True)
     span = jnp.where(hi > lo, hi - lo, 1.0)
     u = (g - lo) / span  # the group mapped onto [0, 1]: each grid's codes are one multiply away
-    mean_u = jnp.mean(u, axis=-1, keepdims=True)
+    mean_u = jnp.sum(weigh(u), axis=-1, keepdims=True) / sc  # weighted means throughout
     best = None
     for t in _GRID_STEPS:
         q = jnp.minimum(jnp.floor(u * (15.0 + t) + 0.5), 15.0)  # round half up: cheaper than round-half-even
-        # one variadic reduction (one pass over u) for sum(q), sum(q^2), sum(q * u)
-        sq, sqq, squ = jax.lax.reduce((q, q * q, q * u), (0.0, 0.0, 0.0),
+        cq = weigh(q)
+        # one variadic reduction (one pass over the group) for sum(c q), sum(c q^2), sum(c q u)
+        sq, sqq, squ = jax.lax.reduce((cq, cq * q, cq * u), (0.0, 0.0, 0.0),
                                       lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]), (q.ndim - 1,))
-        sq, sqq, squ = sq[..., None], sqq[..., None], squ[..., None]
-        sll = sqq - sq * sq / group  # sum((q - mean q)^2)
-        slu = squ - sq * mean_u  # sum((q - mean q) * (u - mean u))
+        mean_q = sq[..., None] / sc
+        sll = sqq[..., None] - sq[..., None] * mean_q  # sum(c (q - mean q)^2)
+        slu = squ[..., None] - sq[..., None] * mean_u  # sum(c (q - mean q) (u - mean u))
         ok = sll > 0
         s = jnp.where(ok, slu / jnp.where(ok, sll, 1.0), 0.0)  # the least-squares slope, in u's units
-        cand = (jnp.where(ok, s * slu, -1.0), s, mean_u - s * sq / group)  # error = sum((u - mean u)^2) - s * slu
+        cand = (jnp.where(ok, s * slu, -1.0), jnp.float32(t))  # error = sum(c (u - mean u)^2) - s * slu
         if best is None:
             best = cand
         else:
             take = cand[0] > best[0]
             best = tuple(jnp.where(take, a, b) for a, b in zip(cand, best))
-    _, s, m = best
+    # The chosen codes' fit again, from centred sums: with a few weights thousands of times the rest
+    # the one-pass sums above cancel badly, and a group on a 16-level grid must come back exactly.
+    q = jnp.minimum(jnp.floor(u * (15.0 + best[1]) + 0.5), 15.0)
+    mean_q = jnp.sum(weigh(q), axis=-1, keepdims=True) / sc
+    dq = q - mean_q
+    sll = jnp.sum(weigh(dq * dq), axis=-1, keepdims=True)
+    slu = jnp.sum(weigh(dq * (u - mean_u)), axis=-1, keepdims=True)
+    s = jnp.where(sll > 0, slu / jnp.where(sll > 0, sll, 1.0), 0.0)
+    m = mean_u - s * mean_q
     s, m = s * span, lo + m * span
     s = s[..., 0].astype(jnp.float16)
     s = jnp.where(s == 0, jnp.float16(1), s)
@@ -135,4 +168,4 @@ def _fp8(w, group):
     return (w / s).astype(jnp.float8_e4m3fn), s, None
 
 
-_QUANTIZERS = {"int8": _int8, "int4": _int4, "fp8": _fp8}
+_QUANTIZERS = {"int8": _int8, "fp8": _fp8}
