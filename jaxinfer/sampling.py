@@ -104,14 +104,15 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, num_logprobs: int | None = None,
-           penalties: bool = False, bitmask: jax.Array | None = None) -> SampleResult:
+def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = False,
+           num_logprobs: int | None = None, penalties: bool = False, bitmask: jax.Array | None = None) -> SampleResult:
     """Sample one token per row of float32 ``logits [S, V]``.
 
     The flags are static (the host knows them from the requests), so a step compiles without work it
-    does not need: ``greedy_only`` skips the sort over the vocabulary. A traced ``lax.cond`` would do
-    the same at run time, but XLA on GPU reads its predicate on the host, which blocks the dispatch
-    of the whole step. ``num_logprobs=None`` skips logprobs altogether (the log-softmax is a few
+    does not need: ``greedy_only`` skips the sort over the vocabulary. ``greedy_only=None`` decides
+    that at run time (a ``lax.cond`` on the temperatures), so greedy and sampled steps share one
+    executable: what the CPU does (``ModelRunner``), where XLA evaluates the predicate in place; XLA
+    on GPU reads it on the host, which blocks the dispatch of the whole step. ``num_logprobs=None`` skips logprobs altogether (the log-softmax is a few
     reduction kernels over the vocabulary, ~1% of an 8B batch-1 step on an H200); otherwise the
     sampled token's logprob and the top ``num_logprobs`` are returned, those of the model's raw
     distribution (as in vLLM/OpenAI). ``bitmask`` (structured outputs) masks the logits before
@@ -121,7 +122,11 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False, nu
     adjusted = logits if bitmask is None else apply_bitmask(logits, bitmask)
     adjusted = _apply_penalties(adjusted, b) if penalties else adjusted
     tokens = jnp.argmax(adjusted, axis=-1)
-    if not greedy_only:
+    if greedy_only is None:
+        greedy = tokens
+        tokens = jax.lax.cond(jnp.all(b.temperature == 0), lambda: greedy,
+                              lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
+    elif not greedy_only:
         tokens = jnp.where(b.temperature == 0, tokens, _sample_random(adjusted, b))
     tokens = tokens.astype(jnp.int32)
     return SampleResult(tokens, *_logprobs(logits, tokens, num_logprobs))
@@ -170,7 +175,7 @@ def _per_position(b: SamplingBatch, k1: int) -> SamplingBatch:
                          b.penalty_counts)
 
 
-def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False,
+def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = False,
            num_logprobs: int | None = None, penalties: bool = False) -> VerifyResult:
     """Accept a prefix of each row's proposed tokens against the target's ``logits [S, K + 1, V]``.
 
@@ -192,22 +197,33 @@ def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool = False,
     prop = jnp.concatenate([b.proposals, jnp.full((s, 1), -1, jnp.int32)], axis=1)  # position K: nothing proposed
     accept = prop == target
     tokens = target
-    if not greedy_only:
-        order, masked = _filtered(adjusted, rb)
-        d = prop.reshape(-1)
-        rank_of_d = jnp.argmax(order == d[:, None], axis=-1)  # where d sits in the sorted vocabulary
-        proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == rank_of_d[:, None])
-        p_d = jnp.sum(jnp.where(proposed, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
-        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(_row_keys(rb))
-        choice = _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
-        resampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-        kept = (d >= 0) & (u < p_d)
-        sampled = jnp.where(kept, d, resampled).reshape(s, k1).astype(jnp.int32)
-        greedy_row = (b.temperature == 0)[:, None]
-        accept = jnp.where(greedy_row, accept, kept.reshape(s, k1))
-        tokens = jnp.where(greedy_row, target, sampled)
+    if greedy_only is None:  # decided at run time, as in ``sample``
+        accept, tokens = jax.lax.cond(jnp.all(b.temperature == 0), lambda: (accept, target),
+                                      lambda: _verify_sampled(adjusted, rb, b, prop, accept, target))
+    elif not greedy_only:
+        accept, tokens = _verify_sampled(adjusted, rb, b, prop, accept, target)
     num_accepted = jnp.sum(jnp.cumprod(accept[:, :k].astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     per_position = _logprobs(flat, tokens.reshape(-1), num_logprobs)  # positions as rows, then [S, K + 1, ...]
     emitted = jnp.where(jnp.arange(k1)[None, :] <= num_accepted[:, None], tokens, -1)
     return VerifyResult(emitted, num_accepted, *(None if x is None else x.reshape(s, k1, *x.shape[1:])
                                                   for x in per_position))
+
+
+def _verify_sampled(adjusted, rb: SamplingBatch, b: SamplingBatch, prop, accept, target):
+    """``verify``'s acceptance and tokens with sampled rows: rejection sampling (greedy rows as given)."""
+    s, k1 = prop.shape
+    vocab = adjusted.shape[-1]
+    order, masked = _filtered(adjusted, rb)
+    d = prop.reshape(-1)
+    rank_of_d = jnp.argmax(order == d[:, None], axis=-1)  # where d sits in the sorted vocabulary
+    proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == rank_of_d[:, None])
+    p_d = jnp.sum(jnp.where(proposed, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(_row_keys(rb))
+    choice = _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
+    resampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    kept = (d >= 0) & (u < p_d)
+    sampled = jnp.where(kept, d, resampled).reshape(s, k1).astype(jnp.int32)
+    greedy_row = (b.temperature == 0)[:, None]
+    accept = jnp.where(greedy_row, accept, kept.reshape(s, k1))
+    tokens = jnp.where(greedy_row, target, sampled)
+    return accept, tokens

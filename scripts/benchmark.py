@@ -436,7 +436,8 @@ def start_up(cache_home: str) -> dict:
 
 def bucket_times(llm) -> list[dict]:
     """The compiled step of every (tokens, seqs) bucket at the smallest page bucket, timed alone
-    (median of 5): no step shape should cost more per token than a larger one."""
+    (median of 5): no step shape should cost more per token than a larger one. Every query sits at
+    position 0, so attention reads one key block of context (``paged.attention``)."""
     import jax
     from jaxinfer.batching.model_runner import _PENALTY_SLOTS
     from jaxinfer.paged.kv_cache import BatchMetadata
@@ -451,7 +452,7 @@ def bucket_times(llm) -> list[dict]:
         md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.full(s, p * runner.cache.page_size, np.int32),
                            np.minimum(np.arange(s + 1, dtype=np.int32) * (t // s), t), np.zeros(s, np.int32))
         args = (tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
-                dict(greedy_only=True, num_logprobs=None, penalties=False))
+                runner.step_flags(greedy=True))
         times = []
         for _ in range(6):
             t0 = time.perf_counter()

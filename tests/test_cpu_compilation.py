@@ -23,8 +23,8 @@ def _maps() -> int:
 
 def test_cpu_default_buckets_are_coarse():
     b = default_buckets("cpu", 128, 16, 64)
-    assert (b.tokens, b.seqs, b.pages) == ((1, 8, 16, 64, 128), (1, 4, 8, 16), (16, 64))
-    assert len(b.all_shapes()) == 32  # the server's defaults: 624 shapes with powers of two
+    assert (b.tokens, b.seqs, b.pages) == ((1, 8, 16, 64, 128), (1, 4, 8, 16), (64,))
+    assert len(b.all_shapes()) == 16  # the server's defaults: 624 shapes with powers of two
     assert default_buckets("gpu", 128, 16, 64).tokens == (8, 16, 32, 64, 128)
 
 
@@ -40,6 +40,23 @@ def test_warmup_compiles_the_plan_and_nothing_more(tmp_path):
     llm.generate(prompts, GREEDY)
     assert llm.engine.num_compilations == len(plan), "a step shape was compiled after warm-up"
     assert any(os.scandir(tmp_path)), "the persistent compilation cache directory was not written"
+
+
+def test_greedy_and_sampled_steps_share_one_executable_per_shape(tmp_path):
+    """On CPU a step decides greedy or sampled itself: warm-up compiles one step per shape (not two),
+    and greedy, sampled and mixed batches then run without compiling."""
+    llm = LLM("tiny-llama3", compilation_cache_dir=str(tmp_path), **TINY)
+    runner = llm.engine.runner
+    plan = runner.warmup_plan()
+    assert len(plan) == len(runner.buckets.all_shapes()) and all(g is None for _, _, g in plan)
+    llm.warmup()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (4, 11, 23)]
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
+    llm.generate(prompts, GREEDY)
+    llm.generate(prompts, sampled)
+    llm.generate(prompts, [GREEDY, sampled, GREEDY])
+    assert llm.engine.num_compilations == len(plan), "a greedy or sampled step compiled after warm-up"
 
 
 def test_warmup_refuses_a_plan_larger_than_the_bound():

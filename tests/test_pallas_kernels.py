@@ -147,16 +147,23 @@ def dense_attention(q, kc, vc, layer, md, *, scale, soft_cap, sliding_window):
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES) + ["long_chunk_among_decodes"])
+REFERENCE_CASES = {
+    "long_chunk_among_decodes": ([(1, 20), (1, 3), (37, 50), (1, 9), (20, 20)], 16, 3, 64, 3, jnp.float32, None, None),
+    # Contexts over several of the reference's 256-token key blocks (its loop stops at the longest).
+    "contexts_over_key_blocks": ([(1, 700), (1, 256), (1, 257), (30, 540), (1, 5)], 16, 2, 64, 3, jnp.float32, None,
+                                 None),
+    "one_long_sequence_window_softcap": ([(40, 1000)], 16, 2, 64, 2, jnp.float32, 5.0, 300),
+    "batch1_decode_over_key_blocks": ([(1, 700)], 16, 2, 64, 3, jnp.float32, None, None),  # one query: no dot
+}
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(REFERENCE_CASES))
 def test_reference_matches_dense_attention(case):
     """The reference itself against one-query-at-a-time float64 attention: its query blocks of several
     sequences read one context where a block is one sequence's (a prefill chunk) and each query's
-    own otherwise; a 37-token chunk between decodes has blocks of both kinds and one that straddles."""
-    if case in CASES:
-        seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = CASES[case]
-    else:
-        seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = (
-            [(1, 20), (1, 3), (37, 50), (1, 9), (20, 20)], 16, 3, 64, 3, jnp.float32, None, None)
+    own otherwise; a 37-token chunk between decodes has blocks of both kinds and one that straddles;
+    contexts longer than one key block (an online softmax over a loop as long as the longest)."""
+    seqs, page_size, kvh, head_dim, group, dtype, soft_cap, window = {**CASES, **REFERENCE_CASES}[case]
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     q, kc, vc, md = make_batch(rng, seqs, page_size=page_size, num_kv_heads=kvh, head_dim=head_dim,
                                group=group, dtype=dtype)

@@ -94,3 +94,16 @@ def test_penalties_push_away_from_generated_tokens():
     assert int(sample(row, pen, penalties=True).tokens[0]) == 1
     pres = batch(1, temperature=0.0, presence=0.2, pen=((0, 0, 1.0),))  # 2.0 - 0.2 < 1.9
     assert int(sample(row, pres, penalties=True).tokens[0]) == 1
+
+
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0, 0.0), (0.0, 0.8, 0.0, 1.3), (0.7, 0.8, 1.0, 1.3)])
+def test_greedy_decided_in_the_step_matches_the_static_flag(logits, temps):
+    """``greedy_only=None`` (the CPU's one executable for greedy and sampled steps) draws exactly what
+    the static flags draw: all-greedy batches, mixed ones and all-sampled ones."""
+    b = batch(4, seed=7, step=3)
+    b.temperature = np.asarray(temps, np.float32)
+    static = sample(logits, b, greedy_only=all(t == 0 for t in temps)).tokens
+    decided = jax.jit(lambda lg, sb: sample(lg, sb, greedy_only=None).tokens)(logits, b)
+    np.testing.assert_array_equal(decided, static)
+    if all(temps):  # so a step that always took the greedy branch would fail here
+        assert not np.array_equal(static, np.argmax(logits, -1))

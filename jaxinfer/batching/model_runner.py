@@ -58,19 +58,22 @@ def default_buckets(backend: str, max_tokens: int, max_seqs: int, max_pages: int
     """The bucket set used where none is given.
 
     CPU: a 1-token bucket for batch-1 decode, an 8-token one for decode batches of 2-8 sequences,
-    then 16 tokens and x4 steps; sequences 1, 4, 8, 16, x4...; pages 16, 64, ... (docs/benchmarks.md
-    has the step time per bucket). Measured on SmolLM2 (2-core box, under load): a step of 2 or 4
+    then 16 tokens and x4 steps; sequences 1, 4, 8, 16, x4...; one page bucket, the longest: the
+    reference attention (the CPU's) reads only as much context as the batch's longest sequence fills
+    (``paged.attention``), so shorter page buckets saved nothing but compiled a step each
+    (docs/benchmarks.md has the step time per bucket). Measured on SmolLM2 (2-core box, under load): a step of 2 or 4
     tokens cost about what 8 do (168 and 206 ms against 138-165 ms: XLA:CPU's dots for 2-4 rows are
     slow) while 16 tokens cost 335-375 ms, so 8 decodes padded to 16 paid twice over; the 8-token
-    bucket made the 8 x (128 + 128) workload faster. SmolLM2's server defaults plan 32 shapes (64
-    steps, greedy and sampled), not the 624 whose compilation ran out of memory maps; the server
-    compiles a single request's first steps before it answers and the rest in the background.
+    bucket made the 8 x (128 + 128) workload faster. SmolLM2's server defaults plan 16 shapes (one
+    step each: greedy or not is decided in the step on CPU), not the 624 whose compilation ran out of
+    memory maps; the server compiles a single request's first steps before it answers and the rest
+    in the background.
     Elsewhere powers of two (tokens from 8, pages from 4): each compile is cheap next to the
     padding it saves on an accelerator."""
     if backend == "cpu":
         tokens = {1, *(b for b in (8,) if b < max_tokens), *geometric(16, max_tokens, 4)} if max_tokens > 1 else {1}
         seqs = {*geometric(1, max_seqs, 4), *(b for b in (8,) if b < max_seqs)}
-        return Buckets(tuple(sorted(tokens)), tuple(sorted(seqs)), geometric(16, max_pages, 4))
+        return Buckets(tuple(sorted(tokens)), tuple(sorted(seqs)), (max_pages,))
     return Buckets(geometric(min(8, max_tokens), max_tokens, 2), geometric(1, max_seqs, 2),
                    geometric(min(4, max_pages), max_pages, 2))
 
@@ -189,6 +192,11 @@ class ModelRunner:
         self.num_steps = 0  # steps dispatched; a pending token is always from the last one
         self._ops = ops
         self._copy_ahead = jax.default_backend() != "cpu"  # see ``run``
+        # On CPU whether a step is greedy is decided inside it (``sampling.sample(greedy_only=None)``):
+        # greedy and sampled steps share one executable, which halved the CPU warm-up's compilations
+        # at no cost per step (docs/benchmarks.md, issue 22). Elsewhere it is a static flag (so too for
+        # GPU kernels lowered on a CPU host, as a test does: ``defer_kv_write`` is the CPU path's).
+        self._greedy_in_step = jax.default_backend() == "cpu" and ops.defer_kv_write
         # Decode-only steps compile separately only where the backend has a kernel for them.
         self._decode_max_seqs = ops.decode_attention_max_seqs if ops.decode_attention is not None else 0
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
@@ -346,10 +354,16 @@ class ModelRunner:
             frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
             penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
             penalty_counts=np.asarray(pen_counts + pad, np.float32), proposals=proposals)
-        flags = dict(greedy_only=all(p.temperature == 0 for p in params),
-                     num_logprobs=self.max_logprobs if any(p.logprobs is not None for p in params) else None,
-                     penalties=bool(pen_rows))
+        flags = self.step_flags(all(p.temperature == 0 for p in params),
+                                self.max_logprobs if any(p.logprobs is not None for p in params) else None,
+                                bool(pen_rows))
         return tokens, positions, md, sb, flags
+
+    def step_flags(self, greedy: bool, num_logprobs: int | None = None, penalties: bool = False) -> dict:
+        """The static flags a step compiles for: whether every row is greedy (``None`` on CPU, where
+        the step decides), the logprobs it returns and whether it applies penalties."""
+        return dict(greedy_only=None if self._greedy_in_step else greedy, num_logprobs=num_logprobs,
+                    penalties=penalties)
 
     def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict, feeds_next: bool = False):
         """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored
@@ -461,14 +475,15 @@ class ModelRunner:
             if feeds_next:
                 self.last_tokens = last
 
-    def warmup_plan(self, shapes=None, greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool]]:
+    def warmup_plan(self, shapes=None, greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool | None]]:
         """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only)`` for every
-        bucket, greedy and (unless ``greedy_only``) sampled, and the decode-only variant of the shapes a
-        decode-only step can take (logprobs and penalties compile on first use)."""
+        bucket, greedy and (unless ``greedy_only``) sampled, or on CPU one step that does both (``None``),
+        and the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
+        compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         decode = {x for x in self.buckets.decode_shapes() if x[1] <= self._decode_max_seqs}
         steps = [(x, False) for x in shapes] + [(x, True) for x in shapes if x in decode]
-        variants = (True,) if greedy_only else (True, False)
+        variants = (None,) if self._greedy_in_step else (True,) if greedy_only else (True, False)
         return [(x, d, g) for x, d in steps for g in variants]
 
     def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
@@ -502,7 +517,7 @@ class ModelRunner:
                 new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.write_dtype)
                 self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
                                                                           np.int32))
-        rest = sorted((x for x in plan if x not in first), key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], not x[2]))
+        rest = sorted((x for x in plan if x not in first), key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], x[2] is False))
         if rest:
             def compile_rest():
                 for step in rest:

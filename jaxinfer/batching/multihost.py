@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 _STOP, _STEP = 0, 1
-# cmd, buffer length, tokens, seqs, pages, penalty slots, decode_only, greedy_only, num_logprobs (-1: None),
+# cmd, buffer length, tokens, seqs, pages, penalty slots, decode_only, greedy_only (-1: None), num_logprobs (-1: None),
 # penalties, whether the step's sampled tokens feed the next step (engine steps; not warm-up)
 _HEADER = 11
 
@@ -50,7 +50,8 @@ def send_step(inputs: np.ndarray, shape: tuple[int, int, int, int], decode_only:
               feeds_next: bool) -> None:
     """Process 0: tell the followers to run this step (``shape``: tokens, seqs, pages, penalty slots)."""
     lp = flags["num_logprobs"]
-    header = np.asarray([_STEP, inputs.size, *shape, decode_only, flags["greedy_only"], -1 if lp is None else lp,
+    header = np.asarray([_STEP, inputs.size, *shape, decode_only,
+                         -1 if flags["greedy_only"] is None else flags["greedy_only"], -1 if lp is None else lp,
                          flags["penalties"], feeds_next], np.int32)
     _broadcast(header)
     _broadcast(inputs)
@@ -66,7 +67,7 @@ def receive_step():
     if h[0] == _STOP:
         return None
     inputs = _broadcast(np.zeros(h[1], np.int32))
-    flags = dict(greedy_only=bool(h[7]), num_logprobs=None if h[8] < 0 else h[8], penalties=bool(h[9]))
+    flags = dict(greedy_only=None if h[7] < 0 else bool(h[7]), num_logprobs=None if h[8] < 0 else h[8], penalties=bool(h[9]))
     return inputs, tuple(h[2:6]), bool(h[6]), flags, bool(h[10])
 
 

@@ -16,6 +16,29 @@ from jaxinfer.paged.kv_cache import BatchMetadata, dequantize, quantize, segment
 _BLOCK_ELEMENTS = 1 << 16
 # Queries per block when a step has several sequences (see ``ragged_paged_attention``).
 _SEGMENT_BLOCK = 16
+# Context tokens read per iteration of the key loop: 16 pages of 16, the CPU's smallest page bucket
+# before the loop replaced its page buckets, so short contexts cost what they did.
+_KEY_BLOCK = 256
+
+
+def _product_sum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, a, b)`` as a broadcast product and a sum: one loop fusion on XLA:CPU. For a
+    single query the einsum's dots cost more than their arithmetic: XLA:CPU transposed K, V and the
+    scores around two small library calls per layer; the batch-1 SmolLM2 decode step went from 23.7 to
+    22.6 ms (docs/benchmarks.md, issue 22)."""
+    ins, out = spec.split("->")
+    sa, sb = ins.split(",")
+    letters = "".join(dict.fromkeys(sa + sb))
+
+    def arrange(x, sx):  # the axes in the order of ``letters``, size 1 where ``x`` lacks a letter
+        perm = [sx.index(c) for c in letters if c in sx]
+        x = jnp.transpose(x, perm)
+        return jnp.expand_dims(x, [i for i, c in enumerate(letters) if c not in sx])
+    prod = arrange(a, sa) * arrange(b, sb)
+    summed = [i for i, c in enumerate(letters) if c not in out]
+    r = jnp.sum(prod, axis=tuple(summed))
+    kept = [c for c in letters if c in out]
+    return jnp.transpose(r, [kept.index(c) for c in out])
 
 
 def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -45,29 +68,43 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     A quantized cache (int8/fp8 codes) comes with its scales ``k_scale``/``v_scale``
     ``[layers, pages, page_size, kv_heads]`` (``kv_cache.KVCache``); ``new_kv`` is then float and is
     quantized and dequantized here exactly as its write will store it.
+
+    The context is read in blocks of ``_KEY_BLOCK`` tokens (an online softmax across them). On CPU
+    only as many as the batch's longest sequence fills: a loop with a run-time trip count, so the
+    cost follows the real context, not the page table's width, and a step compiled for the longest
+    context serves every shorter one: the CPU compiles one page bucket, not four (warm-up time was
+    nearly all compilation; docs/benchmarks.md, issue 22). Elsewhere (the oracle for the GPU/TPU
+    kernels, a fallback for head sizes they lack) every block of the page table, as before.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
     group = num_heads // num_kv_heads
     num_seqs, pages_per_seq = md.page_table.shape
-    ctx = pages_per_seq * k_cache.shape[2]
-
-    # Each sequence's context, gathered once: [S, ctx, kv_heads, D].
-    k_seq = k_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
-    v_seq = v_cache[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads, head_dim)
-    if k_scale is not None:
-        k_seq = dequantize(k_seq, k_scale[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads))
-        v_seq = dequantize(v_seq, v_scale[layer][md.page_table].reshape(num_seqs, ctx, num_kv_heads))
-        if new_kv is not None:
-            new_kv = tuple(dequantize(*quantize(x, c.dtype)) for x, c in zip(new_kv, (k_cache, v_cache)))
+    page_size = k_cache.shape[2]
+    block_pages = max(1, min(pages_per_seq, _KEY_BLOCK // page_size))
+    key_block = block_pages * page_size
+    num_key_blocks = -(-pages_per_seq // block_pages)
+    page_table = jnp.pad(md.page_table, ((0, 0), (0, num_key_blocks * block_pages - pages_per_seq)))
+    if new_kv is not None and k_scale is not None:
+        new_kv = tuple(dequantize(*quantize(x, c.dtype)) for x, c in zip(new_kv, (k_cache, v_cache)))
     seq, pos, valid = token_layout(md, num_tokens)
-    if new_kv is not None:
-        at = jnp.where(valid, pos, ctx)  # padding: out of range, dropped
-        k_seq = k_seq.at[seq, at].set(new_kv[0].astype(k_seq.dtype), mode="drop")
-        v_seq = v_seq.at[seq, at].set(new_kv[1].astype(v_seq.dtype), mode="drop")
 
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    key_pos = jnp.arange(ctx, dtype=jnp.int32)
+    def context(j):
+        """Keys and values of key block ``j`` of every sequence: [S, key_block, kv_heads, D] each."""
+        pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)
+        k = k_cache[layer, pages].reshape(num_seqs, key_block, num_kv_heads, head_dim)
+        v = v_cache[layer, pages].reshape(num_seqs, key_block, num_kv_heads, head_dim)
+        if k_scale is not None:
+            k = dequantize(k, k_scale[layer, pages].reshape(num_seqs, key_block, num_kv_heads))
+            v = dequantize(v, v_scale[layer, pages].reshape(num_seqs, key_block, num_kv_heads))
+        if new_kv is not None:
+            at = pos - j * key_block
+            at = jnp.where(valid & (at >= 0) & (at < key_block), at, key_block)  # elsewhere: dropped
+            k = k.at[seq, at].set(new_kv[0].astype(k.dtype), mode="drop")
+            v = v.at[seq, at].set(new_kv[1].astype(v.dtype), mode="drop")
+        return k, v
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
 
     # With one sequence (a batch-1 step) every query reads the same context: no per-query copy of it.
     # A batch-1 verify step (speculative decoding: last token + k proposals) copied it k + 1 times per
@@ -77,7 +114,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # the others copy each query's context. Copying it for every query of a 128-token step cost
     # SmolLM2 on CPU ~1.6x the step (125 prefill + 3 decode tokens, 1.04 s -> 0.62 s, contended).
     one = num_seqs == 1
-    block = max(1, min(num_tokens, _BLOCK_ELEMENTS // ctx, num_tokens if one else _SEGMENT_BLOCK))
+    block = max(1, min(num_tokens, _BLOCK_ELEMENTS // key_block, num_tokens if one else _SEGMENT_BLOCK))
     num_blocks = -(-num_tokens // block)
     pad = num_blocks * block - num_tokens
 
@@ -85,10 +122,15 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_blocks, block, *x.shape[1:])
 
-    def attend_to(qb, pb, vb, kb, vvb):
+    def attend_to(qb, pb, vb, kb, vvb, key_pos, state):
+        """One query block's running (max, sum, unnormalized output) after the keys ``kb``/``vvb``."""
+        m, l, acc = state
         ctx_of = "ckd" if kb.ndim == 3 else "bckd"  # one context for the block, or one per query
-        s = jnp.einsum(f"bkgd,{ctx_of}->bkgc", qb.astype(jnp.float32), kb.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) * scale
+        kf, vf = kb.astype(jnp.float32), vvb.astype(jnp.float32)
+        if qb.shape[0] == 1:  # one query (batch-1 decode): no dot
+            s = _product_sum(f"bkgd,{ctx_of}->bkgc", qb, kf) * scale
+        else:
+            s = jnp.einsum(f"bkgd,{ctx_of}->bkgc", qb, kf, precision=jax.lax.Precision.HIGHEST) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_pos[None, :] <= pb[:, None]
@@ -96,21 +138,39 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             mask &= key_pos[None, :] > pb[:, None] - sliding_window
         mask &= vb[:, None]
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m = jnp.max(s, axis=-1, keepdims=True)
-        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-        denom = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum(f"bkgc,{ctx_of}->bkgd", p, vvb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        out = out / jnp.where(denom > 0, denom, 1.0)
-        return out.astype(q.dtype)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe)
+        correction = jnp.exp(m - m_safe)  # 0 where nothing was seen yet (m = -inf)
+        if qb.shape[0] == 1:
+            out = _product_sum(f"bkgc,{ctx_of}->bkgd", p, vf)
+        else:
+            out = jnp.einsum(f"bkgc,{ctx_of}->bkgd", p, vf, precision=jax.lax.Precision.HIGHEST)
+        return m_new, l * correction + jnp.sum(p, axis=-1, keepdims=True), acc * correction + out
 
-    def attend(args):
-        qb, sb, pb, vb = args  # [B, KVH, G, D], [B], [B], [B]
-        if one:
-            return attend_to(qb, pb, vb, k_seq[0], v_seq[0])
-        first = sb[0]  # padding queries (~vb) may name any sequence: they are masked out
-        return jax.lax.cond(jnp.all((sb == first) | ~vb),
-                            lambda: attend_to(qb, pb, vb, k_seq[first], v_seq[first]),
-                            lambda: attend_to(qb, pb, vb, k_seq[sb], v_seq[sb]))  # [B, ctx, KVH, D] each
+    def key_step(j, state):
+        k_seq, v_seq = context(j)
+        key_pos = j * key_block + jnp.arange(key_block, dtype=jnp.int32)
 
-    out = jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid)))
+        def attend(args):
+            qb, sb, pb, vb, st = args  # [B, KVH, G, D], [B], [B], [B], the block's state
+            if one:
+                return attend_to(qb, pb, vb, k_seq[0], v_seq[0], key_pos, st)
+            first = sb[0]  # padding queries (~vb) may name any sequence: they are masked out
+            return jax.lax.cond(jnp.all((sb == first) | ~vb),
+                                lambda: attend_to(qb, pb, vb, k_seq[first], v_seq[first], key_pos, st),
+                                lambda: attend_to(qb, pb, vb, k_seq[sb], v_seq[sb], key_pos, st))
+        return jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid), state))
+
+    shape = (num_blocks, block, num_kv_heads, group)
+    state = (jnp.full((*shape, 1), -jnp.inf, jnp.float32), jnp.zeros((*shape, 1), jnp.float32),
+             jnp.zeros((*shape, head_dim), jnp.float32))
+    if jax.default_backend() == "cpu":
+        longest = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys past the last query's position are masked
+        state = jax.lax.fori_loop(0, jnp.minimum(-(-longest // key_block), num_key_blocks), key_step, state)
+    else:  # every block, unrolled: XLA:GPU would read a loop's run-time bound on the host each step
+        for j in range(num_key_blocks):
+            state = key_step(j, state)
+    m, l, acc = state
+    out = (acc / jnp.where(l > 0, l, 1.0)).astype(q.dtype)
     return out.reshape(num_blocks * block, num_heads, head_dim)[:num_tokens]
