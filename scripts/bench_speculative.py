@@ -56,8 +56,12 @@ class ReplayProposer:
         self.answers = answers
 
     def propose(self, seqs, limits):
-        return [self.answers[tuple(s.prompt_token_ids)][len(s.output_token_ids):len(s.output_token_ids) + k]
-                for s, k in zip(seqs, limits)]
+        out = []
+        for s, k in zip(seqs, limits):
+            context, skip = s.assumed_context()  # skip: the in-flight step's own token, known by position
+            at = len(context) + skip - len(s.prompt_token_ids)
+            out.append(self.answers[tuple(s.prompt_token_ids)][at:at + k])
+        return out
 
 
 def make_llm(max_num_seqs: int, method: str = "ngram", **options):

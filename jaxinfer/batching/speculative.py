@@ -24,7 +24,11 @@ MAX_SPECULATIVE_TOKENS = 16  # a verify step feeds 1 + k tokens per sequence and
 
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """At most ``limits[i]`` tokens proposed to follow ``seqs[i].token_ids`` (possibly none)."""
+        """At most ``limits[i]`` tokens (possibly none) proposed to follow ``seqs[i].assumed_context()``:
+        the sequence's tokens as if its step in flight accepts every proposal, then ``skip`` (0 or 1)
+        tokens that step samples, unknown to the host. The proposals follow those too: a proposer may
+        guess them (the n-gram and draft proposers take ``skip + limit`` tokens and drop the first);
+        a wrong guess only costs acceptance."""
 
 
 def default_ngram_min(backend: str, ngram_max: int) -> int:
@@ -51,7 +55,11 @@ class NgramProposer:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return [self.lookup(s.token_ids, k) if k > 0 else [] for s, k in zip(seqs, limits)]
+        out = []
+        for s, k in zip(seqs, limits):
+            context, skip = s.assumed_context()
+            out.append(self.lookup(context, k + skip)[skip:] if k > 0 else [])
+        return out
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         ids = np.asarray(tokens, np.int64)
@@ -81,17 +89,19 @@ class DraftProposer:
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         eng = self.engine
-        rids = []
+        rids, skips = [], []
         for s, k in zip(seqs, limits):
+            context, skip = s.assumed_context()
             rids.append(f"draft-{next(self._ids)}")
-            eng.add_request(rids[-1], s.token_ids, SamplingParams(max_tokens=max(1, k), temperature=0.0,
-                                                                  ignore_eos=True))
+            skips.append(skip)
+            eng.add_request(rids[-1], context, SamplingParams(max_tokens=max(1, k + skip), temperature=0.0,
+                                                              ignore_eos=True))
         out = {}
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
                     out[o.request_id] = o.token_ids
-        return [out[r][:k] for r, k in zip(rids, limits)]
+        return [out[r][skip:skip + k] for r, k, skip in zip(rids, limits, skips)]
 
 
 def check_draft(target, draft) -> None:
