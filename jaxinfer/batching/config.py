@@ -67,7 +67,7 @@ class EngineConfig:
       more than ``speculative_max_num_seqs`` sequences run (where the step stops being memory-bound).
       ``speculative_overlap``: whether a step that verifies proposals stays in flight while the next is
       proposed and dispatched (``LLMEngine.step``); ``None``: on with the ``ngram`` proposer except on
-      CPU, where there is no dispatch latency to hide and a discarded step costs a whole step.
+      CPU (``batching.speculative.default_overlap`` says why).
     """
 
     page_size: int = 16

@@ -22,7 +22,8 @@ from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.structured import Matchers, compiler_for
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import SAMPLED, Sequence, Status
-from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft, default_ngram_min
+from jaxinfer.batching.speculative import (DraftProposer, NgramProposer, Proposer, check_draft, default_ngram_min,
+                                           default_overlap)
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
@@ -196,8 +197,8 @@ class LLMEngine:
                 check_draft(self, draft)
                 self.proposer = DraftProposer(draft)
         self._speculating = self.proposer is not None
-        self._overlap = (config.speculative_overlap if config.speculative_overlap is not None
-                         else backend != "cpu" and config.speculative_method == "ngram")
+        self.speculative_overlap = (config.speculative_overlap if config.speculative_overlap is not None
+                                    else default_overlap(backend, config.speculative_method))
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
                  sum(x.nbytes for x in jax.tree.leaves(cache)) / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
         if self.mesh is not None:
@@ -289,7 +290,7 @@ class LLMEngine:
         outputs = []
         speculate = self.proposer is not None and self._speculate_now()
         if self._inflight is not None and (
-                (speculate and not self._overlap)  # proposals from known tokens only
+                (speculate and not self.speculative_overlap)  # proposals from known tokens only
                 or (not speculate and isinstance(self._inflight[1], VerifyResult))  # see ``_roll_back``
                 or any(s.inflight and (s.params.presence_penalty or s.params.frequency_penalty)  # penalties need
                        for s in self.scheduler.running)):  # every generated token on the host

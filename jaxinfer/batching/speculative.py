@@ -43,6 +43,19 @@ def default_ngram_min(backend: str, ngram_max: int) -> int:
     return min(ngram_max, 2 if backend == "cpu" else 1)
 
 
+def default_overlap(backend: str, method: str) -> bool:
+    """Where ``speculative_overlap`` is not given: on with the ``ngram`` proposer, except on CPU.
+
+    Keeping a verifying step in flight hides the host's work between steps (reading the outcome,
+    proposing, preparing, dispatching: on an H200 a speculating llama3-8b batch-1 step took 6.6-7.2 ms
+    against 4.9 ms on device, docs/benchmarks.md, issue 26) but discards the next step of every
+    sequence whose step in flight rejects a proposal. On XLA:CPU there is little to hide (a few
+    hundred us of host work next to 30+ ms steps) and a discarded step costs a whole verify step.
+    A draft model proposes by running its own steps on the device, which wait for the step in
+    flight anyway."""
+    return backend != "cpu" and method == "ngram"
+
+
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last ``n`` tokens (longest
     ``n`` in ``[ngram_min, ngram_max]`` first) in its own prompt and output, and propose the tokens
