@@ -49,10 +49,13 @@ def default_overlap(backend: str, method: str) -> bool:
     Keeping a verifying step in flight hides the host's work between steps (reading the outcome,
     proposing, preparing, dispatching: on an H200 a speculating llama3-8b batch-1 step took 6.6-7.2 ms
     against 4.9 ms on device, docs/benchmarks.md, issue 26) but discards the next step of every
-    sequence whose step in flight rejects a proposal. On XLA:CPU there is little to hide (a few
-    hundred us of host work next to 30+ ms steps) and a discarded step costs a whole verify step.
-    A draft model proposes by running its own steps on the device, which wait for the step in
-    flight anyway."""
+    sequence whose step in flight rejects a proposal, and proposals that follow a guessed token are
+    accepted less. On XLA:CPU there is little to hide (a few hundred us of host work next to 30+ ms
+    steps) while a discarded step costs a whole verify step: SmolLM2 with n-gram proposals on the
+    six input-grounded prompts ran 1.60x plain decode overlapped against 1.83x synchronously
+    (docs/benchmarks.md). Only a host-bound model gains there (tiny-llama3, replayed proposals:
+    3.8-4.2x against 2.3-2.5x). A draft model proposes by running its own steps on the device, which
+    wait for the step in flight anyway."""
     return backend != "cpu" and method == "ngram"
 
 
