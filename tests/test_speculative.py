@@ -101,13 +101,15 @@ def test_greedy_identical_to_no_speculation(k, path, proposer, overlap):
     assert_no_leak(llm.engine)
 
 
-@pytest.mark.parametrize("draft,agrees", [("tiny-llama3", True), ("tiny-gemma2", False)])
-def test_draft_model_greedy_identical(draft, agrees):
-    """The target itself as draft always agrees; a different random model (same vocabulary) rarely does."""
+@pytest.mark.parametrize("draft,agrees,overlap", [("tiny-llama3", True, False), ("tiny-gemma2", False, False),
+                                                  ("tiny-llama3", True, True)])
+def test_draft_model_greedy_identical(draft, agrees, overlap):
+    """The target itself as draft always agrees; a different random model (same vocabulary) rarely does.
+    ``overlap``: the draft proposes past the token of the step in flight (its own guess of it)."""
     prompts = make_prompts(17, 4, high=50)
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
     llm = LLM(MODEL, **{**BASE, **PATHS["preempt-recompute"]}, speculative_method="draft", speculative_model=draft,
-              num_speculative_tokens=3)
+              num_speculative_tokens=3, speculative_overlap=overlap)
     got = run_batch(llm, prompts, [greedy()] * 4, arrivals=[0, 0, 2, 5])
     assert {i: o.token_ids for i, o in got.items()} == want
     rate = llm.engine.stats()["spec_acceptance_rate"]
@@ -116,11 +118,12 @@ def test_draft_model_greedy_identical(draft, agrees):
     assert_no_leak(llm.engine.proposer.engine)
 
 
-def test_prefix_caching_with_speculation():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_caching_with_speculation(overlap):
     shared = make_prompts(3, 1, low=40, high=41)[0]
     prompts = [shared + p for p in make_prompts(4, 4, high=30)]
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
-    llm = spec_llm(3)
+    llm = spec_llm(3, speculative_overlap=overlap)
     hits = llm.engine.blocks.prefix_hits
     got = run_batch(llm, prompts, [greedy()] * 4, Replay({tuple(p): want[i] for i, p in enumerate(prompts)}),
                     arrivals=[0, 2, 4, 6])
