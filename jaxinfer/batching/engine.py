@@ -390,8 +390,9 @@ class LLMEngine:
         A sequence is held (not scheduled until this step is read) when these tokens would end it, or
         when it verifies proposals after a verification that rejected one: with
         ``speculative_overlap`` the step after a rejected one is discarded, so going ahead from a
-        proposal pays only when it is likely to be accepted whole (on an H200 a discarded batch-1 step
-        costs ~3 times what going ahead saves: docs/benchmarks.md, issue 26)."""
+        proposal pays only when it is likely to be accepted whole (on an H200 a discarded batch-1
+        llama3-8b step wastes ~4.9 ms of device time where going ahead saves the ~1.7 ms dispatch gap:
+        docs/benchmarks.md, issue 26)."""
         sampled = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
@@ -426,7 +427,11 @@ class LLMEngine:
         the sequence leaves that later step's sampled rows (its tokens there are never read); a
         swapped-out copy keeps only its counted pages. Pages left empty are freed by the caller once
         the accepted tokens are appended. The later step is always ``self._inflight`` here: a
-        verifying step in flight is read before any other kind of step is dispatched (``step``)."""
+        verifying step in flight is read before any other kind of step is dispatched (``step``).
+
+        Sampling stays exact: each output index draws from its own key (seed, index), and whether the
+        later step is discarded depends only on the keys of the indices this step emitted, so the keys
+        the discarded step used are independent of that decision and serve the same indices again."""
         if seq.inflight.count(SAMPLED) > 1:  # in the step dispatched last too
             assert seq.pending_step == self.runner.num_steps - 1
             self._inflight[2].remove(seq.pending_row)
