@@ -9,6 +9,8 @@ Workloads (``--workload``):
   replay  end-to-end tok/s at each ``--batch_sizes`` (random prompts): plain greedy against speculation
           by a replay proposer that proposes what the plain run produced (acceptance ~1, proposing free):
           the machinery's ceiling, and where speculation stops paying as the batch grows.
+          ``--overlap on,off`` times the speculative run with verifying steps kept in flight and
+          synchronous, side by side against the same plain run (``cpu`` takes it too).
   draft   the ``draft`` proposer (``--draft_model``) end to end at each ``--batch_sizes``: time spent
           proposing per proposed token against the target's step time (random weights make its
           acceptance meaningless; the cost is what this measures).
@@ -38,6 +40,8 @@ flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.
 flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
 flags.DEFINE_integer("ngram_min", None, "cpu: the engine's ngram_min (default: the engine's, 2 on CPU).")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
+flags.DEFINE_list("overlap", ["auto"], "cpu/replay: the speculative runs' speculative_overlap, side by side: auto "
+                  "(the engine's default: on except on CPU), on, off.")
 flags.DEFINE_integer("replay_passes", 16, "replay: most passes to reach the fixpoint (see replay()).")
 flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
 flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
@@ -56,8 +60,12 @@ class ReplayProposer:
         self.answers = answers
 
     def propose(self, seqs, limits):
-        return [self.answers[tuple(s.prompt_token_ids)][len(s.output_token_ids):len(s.output_token_ids) + k]
-                for s, k in zip(seqs, limits)]
+        out = []
+        for s, k in zip(seqs, limits):
+            context, skip = s.assumed_context()  # skip: the in-flight step's own token, known by position
+            at = len(context) + skip - len(s.prompt_token_ids)
+            out.append(self.answers[tuple(s.prompt_token_ids)][at:at + k])
+        return out
 
 
 def make_llm(max_num_seqs: int, method: str = "ngram", **options):
@@ -67,6 +75,14 @@ def make_llm(max_num_seqs: int, method: str = "ngram", **options):
                ngram_min=F.ngram_min,
                speculative_max_num_seqs=max_num_seqs, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
+
+
+def set_overlap(llm, mode: str) -> None:
+    """``--overlap``'s ``mode`` on the engine, between runs (``auto``: the engine's default)."""
+    import jax
+    from jaxinfer.batching.speculative import default_overlap
+    auto = default_overlap(jax.default_backend(), llm.engine.config.speculative_method)
+    llm.engine.speculative_overlap = {"auto": auto, "on": True, "off": False}[mode]
 
 
 def timed_run(llm, prompts, proposer) -> dict:
@@ -100,6 +116,7 @@ def timed_run(llm, prompts, proposer) -> dict:
                 host_ms_per_step=(eng.counters["host_time"] - host0) / max(1, steps) * 1e3,
                 decode_tok_s=sum(len(t) - 1 for t in tokens) / max(decode_s, 1e-9),
                 steps=steps, spec_steps=s["spec_steps"] - before["spec_steps"],
+                discarded=s["spec_discarded"] - before["spec_discarded"],
                 proposed=proposed, accepted=accepted, acceptance_rate=accepted / max(1, proposed),
                 mean_accepted_length=(accepted + verified) / max(1, verified), tokens=tokens)
 
@@ -111,6 +128,12 @@ def cpu(results):
     ngram = llm.engine.proposer  # the engine's, with its n-gram window sizes
     timed_run(llm, prompts[:1], None)  # compile both paths
     timed_run(llm, prompts[:1], ngram)
+    for mode in F.overlap:
+        set_overlap(llm, mode)
+        results["cpu" if mode == F.overlap[0] else f"cpu-overlap-{mode}"] = cpu_rows(llm, prompts, data, ngram, mode)
+
+
+def cpu_rows(llm, prompts, data, ngram, mode) -> dict:
     rows = []
     for p, meta in zip(prompts, data["prompts"]):
         plain = timed_run(llm, [p], None)
@@ -125,14 +148,15 @@ def cpu(results):
                          plain_step_ms=plain["decode_s"] / max(1, plain["steps"] - 1) * 1e3,
                          spec_step_ms=spec["decode_s"] / max(1, spec["steps"] - 1) * 1e3,
                          spec_steps=spec["steps"], spec_verify_steps=spec["spec_steps"],
-                         mean_accepted_length=spec["mean_accepted_length"]))
+                         spec_discarded=spec["discarded"], mean_accepted_length=spec["mean_accepted_length"]))
     plain_s = sum(r["new_tokens"] / r["plain_decode_tok_s"] for r in rows)
     spec_s = sum(r["new_tokens"] / r["spec_decode_tok_s"] for r in rows)
     total = sum(r["new_tokens"] for r in rows)
-    results["cpu"] = dict(rows=rows, plain_decode_tok_s=total / plain_s, spec_decode_tok_s=total / spec_s,
-                          speedup=plain_s / spec_s, all_identical=all(r["identical"] for r in rows),
-                          acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])), k=F.k,
-                          ngram_min=ngram.ngram_min, ngram_max=ngram.ngram_max)
+    return dict(rows=rows, plain_decode_tok_s=total / plain_s, spec_decode_tok_s=total / spec_s,
+                speedup=plain_s / spec_s, all_identical=all(r["identical"] for r in rows),
+                acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])), k=F.k,
+                ngram_min=ngram.ngram_min, ngram_max=ngram.ngram_max, overlap=mode,
+                speculative_overlap=llm.engine.speculative_overlap)
 
 
 def verify_cost(results):
@@ -191,23 +215,27 @@ def replay(results):
         prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
         timed_run(llm, prompts, None)  # compile the plain shapes
         plain = timed_run(llm, prompts, None)
-        answers, passes = plain["tokens"], 0
-        while True:  # replay until the speculative run reproduces what it replays (see replay's docstring)
+        for mode in F.overlap:
+            set_overlap(llm, mode)
+            answers, passes = plain["tokens"], 0
+            while True:  # replay until the speculative run reproduces what it replays (see replay's docstring)
+                spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
+                passes += 1
+                if spec["tokens"] == answers or passes == F.replay_passes:
+                    break
+                answers = spec["tokens"]
             spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
-            passes += 1
-            if spec["tokens"] == answers or passes == F.replay_passes:
-                break
-            answers = spec["tokens"]
-        spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
-        same = sum(a == c for a, c in zip(plain["tokens"], spec["tokens"]))
-        out[b] = dict(plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
-                      plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
-                      decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
-                      plain_decode_ms_per_step=plain["decode_s"] / max(1, plain["steps"] - 1) * 1e3,
-                      spec_decode_ms_per_step=spec["decode_s"] / max(1, spec["steps"] - 1) * 1e3,
-                      plain_host_ms_per_step=plain["host_ms_per_step"], spec_host_ms_per_step=spec["host_ms_per_step"],
-                      acceptance_rate=spec["acceptance_rate"], replay_passes=passes,
-                      identical_to_plain=f"{same}/{b}")
+            same = sum(a == c for a, c in zip(plain["tokens"], spec["tokens"]))
+            out[f"{b}/{mode}"] = dict(
+                batch=b, overlap=mode, speculative_overlap=llm.engine.speculative_overlap,
+                plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
+                plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
+                decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
+                plain_decode_ms_per_step=plain["decode_s"] / max(1, plain["steps"] - 1) * 1e3,
+                spec_decode_ms_per_step=spec["decode_s"] / max(1, spec["steps"] - 1) * 1e3,
+                plain_host_ms_per_step=plain["host_ms_per_step"], spec_host_ms_per_step=spec["host_ms_per_step"],
+                spec_steps=spec["steps"], discarded=spec["discarded"],
+                acceptance_rate=spec["acceptance_rate"], replay_passes=passes, identical_to_plain=f"{same}/{b}")
     results["replay"] = dict(k=F.k, by_batch=out)
 
 
@@ -243,23 +271,27 @@ def draft(results):
 
 def print_table(results):
     print(f"{'workload':<10} {'case':<22} {'plain':>10} {'spec':>10} {'ratio':>7} {'accept':>7}")
-    if "cpu" in results:
-        for r in results["cpu"]["rows"]:
+    for name, c in results.items():
+        if not name.startswith("cpu"):
+            continue
+        for r in c["rows"]:
             print(f"{'cpu':<10} {r['kind']:<22} {r['plain_decode_tok_s']:>10.2f} {r['spec_decode_tok_s']:>10.2f} "
                   f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}{'' if r['identical'] else '  DIFFERS'}   "
                   f"ms/step {r['plain_step_ms']:.1f} / {r['spec_step_ms']:.1f}, {r['spec_verify_steps']} of "
-                  f"{r['spec_steps']} steps verify, {r['mean_accepted_length']:.2f} tokens per verify")
-        c = results["cpu"]
+                  f"{r['spec_steps']} steps verify, {r['mean_accepted_length']:.2f} tokens per verify, "
+                  f"{r['spec_discarded']} discarded")
         print(f"{'cpu':<10} {'all (decode tok/s)':<22} {c['plain_decode_tok_s']:>10.2f} {c['spec_decode_tok_s']:>10.2f} "
-              f"{c['speedup']:>7.2f} {c['acceptance_rate']:>7.2f}")
+              f"{c['speedup']:>7.2f} {c['acceptance_rate']:>7.2f}   overlap {c['overlap']} "
+              f"({c['speculative_overlap']})")
     for b, r in results.get("verify", {}).get("by_batch", {}).items():
         print(f"{'verify':<10} {'batch ' + str(b) + ' (ms/step)':<22} {r['decode_ms']:>10.3f} {r['verify_ms']:>10.3f} "
               f"{r['verify_over_decode']:>7.2f}")
     for b, r in results.get("replay", {}).get("by_batch", {}).items():
-        print(f"{'replay':<10} {'batch ' + str(b) + ' (tok/s)':<22} {r['plain_tok_s']:>10.1f} {r['spec_tok_s']:>10.1f} "
+        print(f"{'replay':<10} {'batch ' + b + ' (tok/s)':<22} {r['plain_tok_s']:>10.1f} {r['spec_tok_s']:>10.1f} "
               f"{r['speedup']:>7.2f} {r['acceptance_rate']:>7.2f}   decode {r['decode_speedup']:.2f}x, ms/step "
               f"{r['plain_decode_ms_per_step']:.3f} / {r['spec_decode_ms_per_step']:.3f}, host ms/step "
-              f"{r['plain_host_ms_per_step']:.3f} / {r['spec_host_ms_per_step']:.3f}")
+              f"{r['plain_host_ms_per_step']:.3f} / {r['spec_host_ms_per_step']:.3f}, overlap "
+              f"{r['speculative_overlap']}, {r['discarded']} discarded")
     for b, r in results.get("draft", {}).get("by_batch", {}).items():
         print(f"{'draft':<10} {'batch ' + str(b) + ' (ms)':<22} {r['plain_step_ms']:>10.3f} "
               f"{r['propose_ms_per_token']:>10.3f} {r['propose_token_over_target_step']:>7.2f} "

@@ -281,7 +281,7 @@ def test_prefill_trimmed_to_the_smaller_bucket(prompt_len, buckets, want):
     first = sched.schedule()
     for s, n in zip(first.seqs, first.num_tokens):  # as if dispatched: each now decodes
         s.num_computed_tokens += n
-        s.pending += 1
+        s.inflight.append(-1)  # SAMPLED: its next token is in flight
     prompt = Sequence("p", list(range(3, 3 + prompt_len)), greedy(), 0, arrival_index=7)
     sched.add(prompt)
     batch = sched.schedule()
@@ -289,6 +289,6 @@ def test_prefill_trimmed_to_the_smaller_bucket(prompt_len, buckets, want):
     prompt.num_computed_tokens += batch.num_tokens[-1]
     for s in batch.seqs[:-1]:
         s.num_computed_tokens += 1
-        s.pending += 1
+        s.inflight.append(-1)  # SAMPLED: its next token is in flight
     if want[-1] < prompt_len:
         assert sched.schedule().num_tokens[-1] == 1  # still trimmed while the decodes fill bucket 8

@@ -17,6 +17,7 @@ from scipy import stats as scistats
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig
+from jaxinfer.batching.sequence import SAMPLED
 from jaxinfer.batching.speculative import NgramProposer
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.sampling import SamplingBatch, _filtered, verify
@@ -36,7 +37,9 @@ class Replay:
         out = []
         for s, k in zip(seqs, limits):
             ans = self.answers.get(tuple(s.prompt_token_ids), [])
-            prop = list(ans[len(s.output_token_ids):len(s.output_token_ids) + k])
+            context, skip = s.assumed_context()
+            at = len(context) + skip - len(s.prompt_token_ids)
+            prop = list(ans[at:at + k])
             if prop and self.rng.random() < self.wrong:
                 prop[self.rng.integers(len(prop))] = int(self.rng.integers(3, 500))
             out.append(prop)
@@ -65,15 +68,23 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("k,path,proposer", [(3, p, "replay") for p in PATHS] + [(5, "preempt-swap", "replay"),
-                                                                                 (5, "staggered", "ngram"),
-                                                                                 (1, "chunk1", "ngram")])
-def test_greedy_identical_to_no_speculation(k, path, proposer):
+@pytest.mark.parametrize("k,path,proposer,overlap", [(3, p, "replay", False) for p in PATHS] + [
+    (5, "preempt-swap", "replay", False), (5, "staggered", "ngram", False), (1, "chunk1", "ngram", False)] + [
+    (3, p, "replay", True) for p in PATHS] + [(5, "staggered", "ngram", True), (1, "chunk1", "ngram", True)])
+def test_greedy_identical_to_no_speculation(k, path, proposer, overlap):
+    """``overlap``: verifying steps stay in flight (``speculative_overlap``), so a step after one that
+    rejected a proposal is dispatched and then discarded, on every scheduling path."""
     # Repeated halves give the n-gram proposer something to find.
     prompts = [p + p[:20] for p in make_prompts(7, 7, high=60)]
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
     answers = {tuple(p): want[i] for i, p in enumerate(prompts)}
-    llm = spec_llm(k, **PATHS[path])
+    llm = spec_llm(k, **PATHS[path], speculative_overlap=overlap)
+    preempt, victims = llm.engine.scheduler._preempt, []  # proposals in flight when preempted
+
+    def preempting(seq):
+        victims.append(any(t != SAMPLED for t in seq.inflight))
+        preempt(seq)
+    llm.engine.scheduler._preempt = preempting
     # request 6 does not speculate (penalties) and shares every step with those that do
     params = [greedy()] * 6 + [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                               presence_penalty=1e-9)]
@@ -84,18 +95,21 @@ def test_greedy_identical_to_no_speculation(k, path, proposer):
     assert s["spec_proposed_tokens"] > 0
     if proposer == "replay":
         assert 0 < s["spec_accepted_tokens"] < s["spec_proposed_tokens"]
+        assert (s["spec_discarded"] > 0) == overlap
     if path.startswith("preempt"):
-        assert s["preemptions"] > 0
+        assert s["preemptions"] > 0 and (any(victims) or not overlap)
     assert_no_leak(llm.engine)
 
 
-@pytest.mark.parametrize("draft,agrees", [("tiny-llama3", True), ("tiny-gemma2", False)])
-def test_draft_model_greedy_identical(draft, agrees):
-    """The target itself as draft always agrees; a different random model (same vocabulary) rarely does."""
+@pytest.mark.parametrize("draft,agrees,overlap", [("tiny-llama3", True, False), ("tiny-gemma2", False, False),
+                                                  ("tiny-llama3", True, True)])
+def test_draft_model_greedy_identical(draft, agrees, overlap):
+    """The target itself as draft always agrees; a different random model (same vocabulary) rarely does.
+    ``overlap``: the draft proposes past the token of the step in flight (its own guess of it)."""
     prompts = make_prompts(17, 4, high=50)
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
     llm = LLM(MODEL, **{**BASE, **PATHS["preempt-recompute"]}, speculative_method="draft", speculative_model=draft,
-              num_speculative_tokens=3)
+              num_speculative_tokens=3, speculative_overlap=overlap)
     got = run_batch(llm, prompts, [greedy()] * 4, arrivals=[0, 0, 2, 5])
     assert {i: o.token_ids for i, o in got.items()} == want
     rate = llm.engine.stats()["spec_acceptance_rate"]
@@ -104,11 +118,12 @@ def test_draft_model_greedy_identical(draft, agrees):
     assert_no_leak(llm.engine.proposer.engine)
 
 
-def test_prefix_caching_with_speculation():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_caching_with_speculation(overlap):
     shared = make_prompts(3, 1, low=40, high=41)[0]
     prompts = [shared + p for p in make_prompts(4, 4, high=30)]
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
-    llm = spec_llm(3)
+    llm = spec_llm(3, speculative_overlap=overlap)
     hits = llm.engine.blocks.prefix_hits
     got = run_batch(llm, prompts, [greedy()] * 4, Replay({tuple(p): want[i] for i, p in enumerate(prompts)}),
                     arrivals=[0, 2, 4, 6])
@@ -148,6 +163,67 @@ def test_stops_and_max_tokens_inside_a_proposal():
     assert_no_leak(llm.engine)
 
 
+class Scripted(Replay):
+    """Proposes the answer, except a wrong token wherever it proposes output index ``wrong_at``."""
+
+    def __init__(self, answers, wrong_at: int):
+        super().__init__(answers, wrong=0.0)
+        self.wrong_at = wrong_at
+
+    def propose(self, seqs, limits):
+        out = super().propose(seqs, limits)
+        for s, prop in zip(seqs, out):
+            context, skip = s.assumed_context()
+            j = self.wrong_at - (len(context) + skip - len(s.prompt_token_ids))
+            if 0 <= j < len(prop):
+                prop[j] = (prop[j] + 1) % 500
+        return out
+
+
+@pytest.mark.parametrize("case", ["max_tokens", "stop", "logprobs", "none"])
+def test_discarded_step_after_a_rejection(case):
+    """Batch 1, k = 3, every step in flight (``speculative_overlap``): the verify step covering
+    output indices 4-8 rejects its proposal of index 6, so the step dispatched after it (the bonus
+    token 8 and proposals 9-11, computed from the rejected proposal) is discarded, and the request goes
+    on from the correction at index 6. ``max_tokens`` 10 and a stop id at index 10 land inside that
+    discarded step; the output is that of the request run alone (logprobs too)."""
+    prompt = make_prompts(31, 1, low=30, high=31)[0]
+    full = run_alone(MODEL, tuple(prompt))
+    stop = full[10]
+    params = dict(max_tokens=SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                  stop=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
+                  logprobs=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+                  none=greedy())[case]
+    llm = spec_llm(3, speculative_overlap=True)
+    before = llm.engine.stats()["spec_discarded"]
+    got = run_batch(llm, [prompt], [params], Scripted({tuple(prompt): full}, wrong_at=6))[0]
+    want = LLM(MODEL, **BASE).generate([prompt], params)[0] if case == "logprobs" else None
+    expected = {"max_tokens": full[:10], "stop": full[:full.index(stop)]}.get(case, full)
+    assert got.token_ids == expected
+    if want is not None:
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose([a[t] for t in b], [b[t] for t in b], atol=1e-4)
+    assert llm.engine.stats()["spec_discarded"] == before + 1
+    assert_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_aborts_and_preemption_with_steps_in_flight(mode):
+    """Steps stay in flight while requests are aborted and preempted around them; every request that
+    is not aborted gives the tokens it gives alone."""
+    prompts = [p + p[:10] for p in make_prompts(41, 8, low=30, high=80)]
+    want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
+    llm = spec_llm(3, num_pages=10, max_model_len=128, preemption_mode=mode, speculative_overlap=True)
+    before = llm.engine.stats()
+    got = run_batch(llm, prompts, [greedy()] * 8, Replay({tuple(p): want[i] for i, p in enumerate(prompts)}),
+                    arrivals=[0, 0, 0, 1, 2, 3, 5, 8], aborts=[("r1", 4), ("r4", 7), ("r6", 9)])
+    assert set(got) >= {0, 2, 3, 5, 7} and {i: o.token_ids for i, o in got.items()} == {i: want[i] for i in got}
+    s = llm.engine.stats()
+    assert s["preemptions"] > before["preemptions"] and s["spec_discarded"] > before["spec_discarded"]
+    assert_no_leak(llm.engine)
+
+
 def test_speculation_pauses_above_max_num_seqs(caplog):
     """Above ``speculative_max_num_seqs`` running sequences no step verifies proposals (and the log says
     so); once the batch shrinks back, speculation resumes. Outputs stay those without speculation."""
@@ -175,11 +251,12 @@ def test_speculation_pauses_above_max_num_seqs(caplog):
     assert_no_leak(llm.engine)
 
 
-def test_randomized_workload_no_leak():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_randomized_workload_no_leak(overlap):
     rng = np.random.default_rng(5)
     n = 200
     prompts = [p + p[:10] for p in make_prompts(9, n, high=40)]
-    llm = spec_llm(4, num_pages=12, max_model_len=96, preemption_mode="swap")
+    llm = spec_llm(4, num_pages=12, max_model_len=96, preemption_mode="swap", speculative_overlap=overlap)
     params = [SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=float(rng.choice([0.0, 1.0])),
                              ignore_eos=True, seed=i) for i in range(n)]
     arrivals = np.sort(rng.integers(0, 150, n)).tolist()
@@ -187,7 +264,7 @@ def test_randomized_workload_no_leak():
     got = run_batch(llm, prompts, params, NgramProposer(1, 3), arrivals, aborts)
     assert len(got) >= n - 25
     s = llm.engine.stats()
-    assert s["preemptions"] > 0 and s["spec_accepted_tokens"] > 0
+    assert s["preemptions"] > 0 and s["spec_accepted_tokens"] > 0 and (s["spec_discarded"] > 0) == overlap
     assert_no_leak(llm.engine)
 
 
@@ -202,16 +279,57 @@ def test_no_compilation_after_warmup():
     assert llm.engine.stats()["spec_steps"] > 0 and llm.engine.num_compilations == before
 
 
-def test_seeded_sampling_repeats_with_speculation():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_seeded_sampling_repeats_with_speculation(overlap):
     prompts = [p + p for p in make_prompts(13, 1, low=20, high=21)]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
-    llm = spec_llm(5)
+    llm = spec_llm(5, speculative_overlap=overlap)
     llm.engine.proposer = NgramProposer(1, 2)
     runs = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 # ------------------------------------------------------------------------ sampling exactness
+
+
+def test_sampling_with_discarded_steps_keeps_the_distribution():
+    """Temperature 1, top-k 4, k = 1, steps in flight: a request's first verify step (output index 1,
+    proposed from a guess of index 0) is followed by a step dispatched ahead that is discarded whenever
+    the proposal is rejected. The tokens at output indices 1-3 over 1000 seeds are distributed as
+    without speculation (two-sample chi-square per index, alpha = 0.001 each; other seeds, so the
+    two samples are independent)."""
+    prompt = make_prompts(51, 1, low=12, high=13)[0]
+    n = 1000
+
+    class Greedy:
+        """Proposes the greedy continuation of each sequence's own context (guessing its unknown token the
+        same way): accepted about as often as the top token's probability."""
+
+        def propose(self, seqs, limits):
+            out = []
+            for s, k in zip(seqs, limits):
+                context, skip = s.assumed_context()
+                out.append(run_alone(MODEL, tuple(context), skip + k)[skip:])
+            return out
+
+    def sample(llm, seeds):
+        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=int(s), ignore_eos=True) for s in seeds]
+        return np.asarray([o.token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)])
+
+    plain = sample(LLM(MODEL, **BASE), range(n))
+    llm = spec_llm(1, speculative_overlap=True)
+    llm.engine.proposer = Greedy()
+    before = llm.engine.stats()
+    spec = sample(llm, range(n, 2 * n))
+    s = llm.engine.stats()
+    assert s["spec_discarded"] - before["spec_discarded"] > n // 2  # 869 of 1000 when written
+    assert 0.1 < (s["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / (
+        s["spec_proposed_tokens"] - before["spec_proposed_tokens"]) < 0.9
+    for j in (1, 2, 3):
+        values = np.union1d(plain[:, j], spec[:, j])
+        table = [[np.sum(x[:, j] == v) for v in values] for x in (plain, spec)]
+        _, pvalue, _, _ = scistats.chi2_contingency(table)
+        assert pvalue > 1e-3, (j, table)
 
 
 def _sampling_batch(rows, temperature=1.0, top_p=1.0, proposals=None):

@@ -65,6 +65,9 @@ class EngineConfig:
       see ``batching.speculative.default_ngram_min``). Outputs are those without speculation
       (greedy: token-identical; sampling: the same distribution). Speculation is off for a step when
       more than ``speculative_max_num_seqs`` sequences run (where the step stops being memory-bound).
+      ``speculative_overlap``: whether a step that verifies proposals stays in flight while the next is
+      proposed and dispatched (``LLMEngine.step``); ``None``: on with the ``ngram`` proposer except on
+      CPU (``batching.speculative.default_overlap`` says why).
     """
 
     page_size: int = 16
@@ -99,6 +102,7 @@ class EngineConfig:
     ngram_min: int | None = None
     ngram_max: int = 4
     speculative_max_num_seqs: int = 16
+    speculative_overlap: bool | None = None
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():

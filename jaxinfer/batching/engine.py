@@ -21,8 +21,9 @@ from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.batching.model_runner import Buckets, ModelRunner, default_buckets
 from jaxinfer.batching.structured import Matchers, compiler_for
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
-from jaxinfer.batching.sequence import Sequence, Status
-from jaxinfer.batching.speculative import DraftProposer, NgramProposer, Proposer, check_draft, default_ngram_min
+from jaxinfer.batching.sequence import SAMPLED, Sequence, Status
+from jaxinfer.batching.speculative import (DraftProposer, NgramProposer, Proposer, check_draft, default_ngram_min,
+                                           default_overlap)
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
@@ -30,6 +31,7 @@ from jaxinfer.models.spec import cpu_matmul_layout
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 from jaxinfer.pallas_kernels import get_kernels
+from jaxinfer.sampling import VerifyResult
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -178,7 +180,7 @@ class LLMEngine:
         self._matchers: Matchers | None = None  # structured outputs: made on the first constrained request
         self.counters = dict(prompt_tokens=0, generation_tokens=0, computed_prompt_tokens=0, steps=0,
                              step_tokens=0, host_time=0.0, spec_steps=0, spec_verified=0, spec_proposed=0,
-                             spec_accepted=0)
+                             spec_accepted=0, spec_discarded=0)
         self.proposer: Proposer | None = None
         if config.speculative_method is not None:
             if multihost.active():
@@ -195,6 +197,8 @@ class LLMEngine:
                 check_draft(self, draft)
                 self.proposer = DraftProposer(draft)
         self._speculating = self.proposer is not None
+        self.speculative_overlap = (config.speculative_overlap if config.speculative_overlap is not None
+                                    else default_overlap(backend, config.speculative_method))
         log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", num_pages, ps,
                  sum(x.nbytes for x in jax.tree.leaves(cache)) / 2**30, buckets.tokens, buckets.seqs, buckets.pages)
         if self.mesh is not None:
@@ -274,15 +278,27 @@ class LLMEngine:
         Decode inputs of the new step come from the previous step's sampled tokens on device, so
         the host never waits for them before dispatching; outputs therefore lag one step. A request
         that turns out to have finished in the previous step wastes its slot in the new one.
+
+        Steps that verify proposals (``_propose``) stay in flight the same way where
+        ``speculative_overlap`` is on: the new step's proposals follow the context that assumes the
+        step in flight accepts all of its own, and where it turns out to have rejected one, what the
+        new step computed for that sequence is discarded (``_roll_back``). On an H200 dispatching a
+        batch-1 llama3-8b verify step from an idle device cost ~1-1.2 ms next to its 4.9 ms on device
+        (docs/benchmarks.md, issue 26). Without it, the step in flight is read before proposing.
         """
-        if self.proposer is not None and self._speculate_now():
-            return self._step_speculative()
         t0 = time.perf_counter()
         outputs = []
-        if self._inflight is not None and any(  # penalties need every generated token on the host
-                s.pending and (s.params.presence_penalty or s.params.frequency_penalty) for s in self.scheduler.running):
-            outputs += self._read(*self._inflight)
-            self._inflight = None
+        speculate = self.proposer is not None and self._speculate_now()
+        if self._inflight is not None and (
+                (speculate and not self.speculative_overlap)  # proposals from known tokens only
+                or (not speculate and isinstance(self._inflight[1], VerifyResult))  # see ``_roll_back``
+                or any(s.inflight and (s.params.presence_penalty or s.params.frequency_penalty)  # penalties need
+                       for s in self.scheduler.running)):  # every generated token on the host
+            inflight, self._inflight = self._inflight, None
+            outputs += self._read(*inflight)  # counts its own host time
+            t0 = time.perf_counter()
+        if speculate:
+            self._propose()
         batch = self.scheduler.schedule()
         inflight, self._inflight = self._inflight, None
         if batch.seqs and self._matchers and any(s.request_id in self._matchers for s in batch.seqs):
@@ -314,7 +330,12 @@ class LLMEngine:
             host += time.perf_counter() - t0
         else:
             if batch.seqs:
-                self._inflight = (batch, self.runner.run(batch), self._dispatched(batch))
+                k = self.config.num_speculative_tokens if any(s.draft_token_ids for s in batch.seqs) else 0
+                self._inflight = (batch, self.runner.run(batch, k), self._dispatched(batch))
+                self.counters["spec_steps"] += bool(k)
+            if speculate:
+                for seq in self.scheduler.running:  # proposals of sequences the budget left out of this step
+                    seq.draft_token_ids = []
             host = time.perf_counter() - t0
         if inflight is not None:
             outputs += self._read(*inflight)
@@ -333,74 +354,99 @@ class LLMEngine:
             self._speculating = on
         return on
 
-    def _step_speculative(self) -> list[RequestOutput]:
-        """One step that verifies proposals, run synchronously: proposals need every sequence's tokens on
-        the host, so the step in flight (if any) is read first and this one's result before returning.
-        A sequence then advances by the number of proposals accepted plus one (``_read_verified``).
-
-        A step in which no sequence has proposals is a plain step, left in flight: the verifying variant
-        would still take ``k + 1`` logits rows per sequence (on XLA:CPU the lm_head of 5 rows cost a
+    def _propose(self) -> None:
+        """Proposals (``draft_token_ids``) for the running sequences that may speculate this step, each
+        to follow its tokens as if its step in flight accepts every proposal (``Sequence.assumed_context``),
+        at most k and leaving room for the step's own token within ``max_tokens`` and ``max_model_len``.
+        A sequence a step would verify proposals for advances by the number accepted plus one
+        (``_read_verified``); a step in which none has proposals is a plain step (the verifying variant
+        would still take ``k + 1`` logits rows per sequence: on XLA:CPU the lm_head of 5 rows cost a
         batch-1 SmolLM2 step ~25% more than that of one)."""
-        t0 = time.perf_counter()
-        outputs = []
-        if self._inflight is not None:
-            outputs += self._read(*self._inflight)
-            self._inflight = None
         k, eligible, limits = self.config.num_speculative_tokens, [], []
         for seq in self.scheduler.running:
             p = seq.params
-            if seq.is_prefill or seq.final_pending or p.presence_penalty or p.frequency_penalty:
+            if seq.is_prefill or seq.held or p.presence_penalty or p.frequency_penalty:
                 continue  # penalties would need the proposals counted at each later position
-            limit = min(k, p.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+            limit = min(k, p.max_tokens - len(seq.output_token_ids) - len(seq.inflight) - 1,
+                        self.max_model_len - seq.num_tokens - 1)
             if limit > 0:
                 eligible.append(seq)
                 limits.append(limit)
         for seq, draft in zip(eligible, self.proposer.propose(eligible, limits) if eligible else []):
             seq.draft_token_ids = list(draft)
-        batch = self.scheduler.schedule()
-        if any(s.draft_token_ids for s in batch.seqs):
-            result = self.runner.run(batch, k)
-            sampled = self._dispatched(batch)
-            self.counters["spec_steps"] += 1
-            self.counters["host_time"] += time.perf_counter() - t0
-            outputs += self._read_verified(batch, result, sampled)
-        elif batch.seqs:
-            self._inflight = (batch, self.runner.run(batch), self._dispatched(batch))
-            self.counters["host_time"] += time.perf_counter() - t0
-        for seq in self.scheduler.running:  # proposals of sequences the budget left out of this step
-            seq.draft_token_ids = []
-        return outputs
 
     def _commit(self, seq: Sequence) -> None:
-        """Publish the pages filled by tokens whose K/V exist and whose ids are known on the host (a
-        pending token's and a proposal's are not yet)."""
+        """Publish the pages filled by tokens whose K/V exist and whose ids are known on the host (an
+        in-flight token's and a proposal's are not yet)."""
         known = min(seq.num_computed_tokens, len(seq.prompt_token_ids) + len(seq.output_token_ids))
         if known // self.blocks.page_size > seq.committed_pages:
             seq.committed_pages, seq.committed_key = self.blocks.commit(
                 seq.page_table, seq.token_ids, known, seq.committed_pages, seq.committed_key)
 
     def _dispatched(self, batch) -> list[int]:
-        """Advance host state as if the step had run; returns the rows that sample a token."""
+        """Advance host state as if the step had run and accepted every proposal (``Sequence.inflight``);
+        returns the rows that sample a token.
+
+        A sequence is held (not scheduled until this step is read) when these tokens would end it, or
+        when it verifies proposals after a verification that rejected one: with
+        ``speculative_overlap`` the step after a rejected one is discarded, so going ahead from a
+        proposal pays only when it is likely to be accepted whole (on an H200 a discarded batch-1
+        llama3-8b step wastes ~4.9 ms of device time where going ahead saves the ~1.7 ms dispatch gap:
+        docs/benchmarks.md, issue 26)."""
         sampled = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
                                                                   - seq.num_computed_tokens))
             seq.num_computed_tokens += n
             self._commit(seq)
-            if seq.num_computed_tokens < seq.num_tokens + len(seq.draft_token_ids):
+            proposed = seq.draft_token_ids
+            if seq.num_computed_tokens < seq.num_tokens + len(proposed):
                 continue  # a prefill chunk that is not the last: nothing sampled
-            seq.pending += 1
+            seq.inflight += proposed + [SAMPLED]
+            seq.draft_token_ids = []
             seq.pending_row, seq.pending_step = i, self.runner.num_steps - 1
-            known = len(seq.output_token_ids) + seq.pending
-            seq.final_pending = known >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+            seq.held = (len(seq.output_token_ids) + len(seq.inflight) >= seq.params.max_tokens
+                        or seq.num_tokens >= self.max_model_len or (bool(proposed) and seq.rejected))
             sampled.append(i)
         self.counters["steps"] += 1
         self.counters["step_tokens"] += sum(batch.num_tokens)
         return sampled
 
+    @staticmethod
+    def _take(seq: Sequence, n: int) -> None:
+        """The oldest step in flight read for ``seq``: its ``n`` in-flight entries are known now."""
+        assert seq.inflight[n - 1] == SAMPLED
+        del seq.inflight[:n]
+        if not seq.inflight:
+            seq.held = False
+
+    def _roll_back(self, seq: Sequence, computed: int) -> None:
+        """``seq``'s oldest step in flight rejected a proposal: forget every in-flight token. The K/V
+        written from position ``computed`` on (the rejected proposals', and whatever the step
+        dispatched after it computed from them) are no longer counted, so later steps overwrite them;
+        the sequence leaves that later step's sampled rows (its tokens there are never read); a
+        swapped-out copy keeps only its counted pages. Pages left empty are freed by the caller once
+        the accepted tokens are appended. The later step is always ``self._inflight`` here: a
+        verifying step in flight is read before any other kind of step is dispatched (``step``).
+
+        Sampling stays exact: each output index draws from its own key (seed, index), and whether the
+        later step is discarded depends only on the keys of the indices this step emitted, so the keys
+        the discarded step used are independent of that decision and serve the same indices again."""
+        if seq.inflight.count(SAMPLED) > 1:  # in the step dispatched last too
+            assert seq.pending_step == self.runner.num_steps - 1
+            self._inflight[2].remove(seq.pending_row)
+            self.counters["spec_discarded"] += 1
+        seq.inflight = []
+        seq.held = False
+        seq.num_computed_tokens = min(seq.num_computed_tokens, computed)
+        if seq.swapped is not None:
+            seq.swapped = [x[:, :self.blocks.pages_needed(seq.num_computed_tokens)] for x in seq.swapped]
+
     def _read(self, batch, result, sampled: list[int], advanced=None) -> list[RequestOutput]:
         """Turn a finished step's sampled tokens into outputs (blocks until the device has them);
         ``advanced`` is called once the constrained requests' matchers have taken their tokens."""
+        if isinstance(result, VerifyResult):
+            return self._read_verified(batch, result, sampled, advanced)
         tokens = np.asarray(result.tokens)
         t0 = time.perf_counter()
         logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
@@ -414,37 +460,44 @@ class LLMEngine:
             seq = batch.seqs[i]
             if seq.status is Status.FINISHED:
                 continue  # finished or aborted after this step was dispatched
-            seq.pending -= 1
+            self._take(seq, 1)
             new = [int(tokens[i])]
             tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i:i + 1])
             outputs.append(self._append_tokens(seq, new, tops, seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
-    def _read_verified(self, batch, result, sampled: list[int]) -> list[RequestOutput]:
+    def _read_verified(self, batch, result, sampled: list[int], advanced=None) -> list[RequestOutput]:
         """A verifying step's outcome: each sampled sequence keeps its accepted proposals plus the
-        target's next token. The K/V written at rejected positions stay in the cache but are no longer
-        counted (``num_computed_tokens`` steps back), so the next step overwrites them; pages left empty
-        are freed, and pages are published to the prefix cache only up to accepted tokens."""
+        target's next token. Where every proposal was accepted, the step dispatched after this one
+        went on from the right tokens; where one was rejected, ``_roll_back`` discards the rejected
+        positions and what came after them, pages left empty are freed, and pages are published to the
+        prefix cache only up to accepted tokens. (No constrained request ever proposes.)"""
         tokens = np.asarray(result.tokens)
         accepted = (tokens >= 0).sum(axis=1) - 1  # -1 follows the emitted tokens (``VerifyResult``)
         t0 = time.perf_counter()
+        if advanced is not None:
+            advanced()
         logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
         outputs, c = [], self.counters
         for i in sampled:
             seq = batch.seqs[i]
-            proposed, a = len(seq.draft_token_ids), int(accepted[i])
-            seq.draft_token_ids = []
-            seq.pending -= 1
-            seq.num_computed_tokens -= proposed - a
+            if seq.status is Status.FINISHED:
+                continue  # finished or aborted after this step was dispatched
+            proposed, a = seq.inflight.index(SAMPLED), int(accepted[i])
             if proposed:
                 c["spec_verified"] += 1
                 c["spec_proposed"] += proposed
                 c["spec_accepted"] += a
+                seq.rejected = a < proposed
+            if a < proposed:
+                self._roll_back(seq, len(seq.prompt_token_ids) + len(seq.output_token_ids) + a)
+            else:
+                self._take(seq, proposed + 1)
             new = tokens[i, :a + 1].tolist()
             tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i, :a + 1])
             outputs.append(self._append_tokens(seq, new, tops))
-            if seq.status is not Status.FINISHED:
+            if seq.status is Status.RUNNING:
                 keep = self.blocks.pages_needed(seq.num_tokens)
                 self.blocks.free_pages(seq.page_table[keep:])
                 del seq.page_table[keep:]
@@ -574,6 +627,8 @@ class LLMEngine:
             spec_steps=c["spec_steps"], spec_proposed_tokens=c["spec_proposed"],
             spec_accepted_tokens=c["spec_accepted"],
             spec_acceptance_rate=c["spec_accepted"] / max(1, c["spec_proposed"]),
+            # sequences' parts of steps dispatched ahead of a verification that then rejected a proposal
+            spec_discarded=c["spec_discarded"],
             # tokens a sequence gained per verification of its proposals (1 without speculation)
             spec_mean_accepted_length=(c["spec_accepted"] + c["spec_verified"]) / max(1, c["spec_verified"]),
         )

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batching import multihost
 from jaxinfer.batching.scheduler import ScheduledBatch
+from jaxinfer.batching.sequence import SAMPLED
 from jaxinfer.batching.structured import bitmask_width
 from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
@@ -167,9 +168,10 @@ class ConstrainedSample:
         return result
 
 
-def _as_last_tokens(result: SampleResult, prev_tokens: jax.Array) -> jax.Array:
-    """A step's sampled tokens padded to the largest sequence bucket, where the next step reads them."""
-    return jnp.zeros_like(prev_tokens).at[:result.tokens.shape[0]].set(result.tokens)
+def _as_last_tokens(tokens: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """A step's last sampled token per sequence, padded to the largest sequence bucket, where the next
+    step reads them."""
+    return jnp.zeros_like(prev_tokens).at[:tokens.shape[0]].set(tokens)
 
 
 class ModelRunner:
@@ -189,7 +191,7 @@ class ModelRunner:
         self._trace_lock = threading.Lock()  # tracing (Python, GIL-bound anyway) one step at a time
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
-        self.num_steps = 0  # steps dispatched; a pending token is always from the last one
+        self.num_steps = 0  # steps dispatched; a token fed from the device is always from the last one
         self._ops = ops
         self._copy_ahead = jax.default_backend() != "cpu"  # see ``run``
         # On CPU whether a step is greedy is decided inside it (``sampling.sample(greedy_only=None)``):
@@ -245,11 +247,15 @@ class ModelRunner:
                  num_logprobs, penalties)
         logits, cache = self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
         kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
-        if sb.proposals is not None:  # speculative: logits at every proposed position; read back before the next
+        if sb.proposals is not None:  # speculative: logits at every proposed position
             s = sb.proposals.shape[0]
-            return verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw), cache, prev_tokens
+            result = verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw)
+            # the last token emitted: the next step's input where every proposal was accepted (where
+            # one was not, the host discards what the next step computed for that sequence)
+            last = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
+            return result, cache, _as_last_tokens(last, prev_tokens)
         result = sample(logits, sb, **kw)
-        return result, cache, _as_last_tokens(result, prev_tokens)
+        return result, cache, _as_last_tokens(result.tokens, prev_tokens)
 
     def _forward_tokens(self, weights, cache, prev_tokens, tokens, positions, md):
         tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
@@ -267,7 +273,7 @@ class ModelRunner:
         sb, bitmask = unpack_inputs(inputs, packing)
         result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties,
                         bitmask=bitmask)
-        return result, _as_last_tokens(result, prev_tokens)
+        return result, _as_last_tokens(result.tokens, prev_tokens)
 
     def prepare(self, batch: ScheduledBatch, num_speculative: int = 0):
         """Host arrays for one step, padded to the smallest buckets that hold it (vectorized over
@@ -296,9 +302,10 @@ class ModelRunner:
         ids = []
         for s, st, n in zip(seqs, starts.tolist(), counts.tolist()):
             fed = s.step_inputs(st, n)
-            if len(fed) < n:  # the input is the token the last step sampled, still on device
-                assert s.pending == 1 and len(fed) + 1 == n and s.pending_step == self.num_steps - 1
-                fed.append(-1 - s.pending_row)
+            if SAMPLED in fed:  # the token the last step sampled, still on device
+                j = fed.index(SAMPLED)
+                assert st + j == s.num_tokens - 1 and s.pending_step == self.num_steps - 1
+                fed[j] = -1 - s.pending_row
             ids += fed
         tokens[:n_real] = ids
         positions = np.zeros(t_pad, np.int32)
@@ -349,7 +356,7 @@ class ModelRunner:
             top_p=column([p.top_p for p in params], np.float32, 1.0),
             min_p=column([p.min_p for p in params], np.float32),
             seed=column([s.seed & 0xFFFFFFFF for s in seqs], np.uint32),
-            step=column([len(s.output_token_ids) + s.pending for s in seqs], np.int32),
+            step=column([len(s.output_token_ids) + len(s.inflight) for s in seqs], np.int32),
             presence_penalty=column([p.presence_penalty for p in params], np.float32),
             frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
             penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
@@ -423,8 +430,9 @@ class ModelRunner:
         return exe
 
     def run(self, batch: ScheduledBatch, num_speculative: int = 0) -> SampleResult | VerifyResult:
-        """Dispatch one step; the result stays on device until the caller reads it. A verifying step
-        (``num_speculative``) leaves ``last_tokens`` as they were: nothing is pending after it.
+        """Dispatch one step; the result stays on device until the caller reads it. Its last sampled
+        tokens (a verifying step's, ``num_speculative``: each sequence's last emitted token) become
+        ``last_tokens``, which the next step's in-flight inputs read.
 
         On an accelerator the copy of the sampled tokens (a verifying step's outcome too:
         ``VerifyResult.tokens``) to the host is queued now, behind the step, so the host finds them

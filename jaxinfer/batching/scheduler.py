@@ -114,7 +114,7 @@ class Scheduler:
             self.swap_in(seq.swapped, seq.page_table)
             seq.swapped = None
             return True
-        assert not seq.pending, "a sequence is re-admitted only once its sampled tokens are known"
+        assert not seq.inflight, "a sequence is re-admitted only once its in-flight steps are read"
         tokens = seq.token_ids
         if not self.blocks.can_allocate(tokens):
             return False
@@ -133,7 +133,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.final_pending:  # its last token is already being sampled
+            if seq.held:  # the step in flight must be read first (``Sequence.held``)
                 i += 1
                 continue
             n = self._chunk(seq, budget)

@@ -8,6 +8,9 @@ import enum
 from jaxinfer.sampling_params import SamplingParams
 
 
+SAMPLED = -1  # an in-flight token sampled on device (``Sequence.inflight``)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,16 +39,24 @@ class Sequence:
     committed_key: int | None = None
     swapped: object = None  # host copy of the pages while swapped out
 
-    # Tokens sampled by dispatched steps whose results the host has not read yet (0-2): the next
-    # step takes the newest from the device (row `pending_row` of the step dispatched last).
-    pending: int = 0
+    # The in-flight protocol. A step is read one step late: the host schedules and dispatches step
+    # N + 1 while step N runs, then reads step N (``LLMEngine.step``). ``inflight`` holds what the
+    # steps dispatched but not yet read add to the sequence if they accept every proposal, oldest
+    # step first: each step's proposals, then ``SAMPLED`` for the token it samples (known only on
+    # device; the next step feeds the newest from there: row ``pending_row`` of step
+    # ``pending_step``). Reading a step takes its entries off the front; a step that rejected a
+    # proposal takes all of them, so whatever the next step computed from the rejected proposals is
+    # discarded (``LLMEngine._roll_back``).
+    inflight: list[int] = dataclasses.field(default_factory=list)
     pending_row: int = -1
     pending_step: int = -1
-    final_pending: bool = False  # the newest pending token ends the request (max_tokens / length)
-    # Speculation: tokens proposed to follow the last known one, fed after it in the next step and
-    # verified there. A step then advances the sequence by a variable number of tokens (see
-    # ``LLMEngine._read_verified``), so speculating steps have nothing pending: their results are read
-    # before the next step is scheduled.
+    # The step in flight must be read before this sequence is scheduled again: its newest in-flight
+    # token ends the request (max_tokens / length), or it verifies proposals after a verification
+    # that rejected one (``LLMEngine._dispatched``).
+    held: bool = False
+    rejected: bool = False  # its last verification rejected a proposal
+    # Proposals for the step being scheduled: tokens guessed to follow its known and in-flight tokens,
+    # fed after them and verified in that step (``LLMEngine._read_verified``).
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
@@ -60,18 +71,27 @@ class Sequence:
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - lp)]
 
     def step_inputs(self, start: int, n: int) -> list[int]:
-        """Token ids fed at positions ``start:start + n``: known tokens, then the proposals; a token
-        still pending on device is not among them (the caller feeds it from there)."""
-        known = min(start + n, self.num_tokens - self.pending)
-        ids = self.tokens_between(start, known)
-        if self.draft_token_ids and known < start + n:
-            assert not self.pending and known == self.num_tokens
-            ids += self.draft_token_ids[:start + n - known]
+        """Token ids fed at positions ``start:start + n``: known tokens, in-flight ones (``SAMPLED``
+        where the step in flight samples it: the caller feeds it from the device), then proposals."""
+        ids = self.tokens_between(start, start + n)
+        if len(ids) < n:
+            known = len(self.prompt_token_ids) + len(self.output_token_ids)
+            ids += self.inflight[max(0, start - known):start + n - known]
+            ids += self.draft_token_ids[:n - len(ids)]
         return ids
+
+    def assumed_context(self) -> tuple[list[int], int]:
+        """What proposals follow while a step is in flight: the tokens the sequence holds if that step
+        accepts every proposal (known tokens, then its proposals), and how many tokens sampled on
+        device come after them, unknown to the host (0 or 1)."""
+        if not self.inflight:
+            return self.token_ids, 0
+        assert self.inflight.count(SAMPLED) == 1 and self.inflight[-1] == SAMPLED
+        return self.token_ids + self.inflight[:-1], 1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.inflight)
 
     @property
     def num_remaining(self) -> int:

@@ -24,7 +24,11 @@ MAX_SPECULATIVE_TOKENS = 16  # a verify step feeds 1 + k tokens per sequence and
 
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """At most ``limits[i]`` tokens proposed to follow ``seqs[i].token_ids`` (possibly none)."""
+        """At most ``limits[i]`` tokens (possibly none) proposed to follow ``seqs[i].assumed_context()``:
+        the sequence's tokens as if its step in flight accepts every proposal, then ``skip`` (0 or 1)
+        tokens that step samples, unknown to the host. The proposals follow those too: a proposer may
+        guess them (the n-gram and draft proposers take ``skip + limit`` tokens and drop the first);
+        a wrong guess only costs acceptance."""
 
 
 def default_ngram_min(backend: str, ngram_max: int) -> int:
@@ -39,6 +43,22 @@ def default_ngram_min(backend: str, ngram_max: int) -> int:
     return min(ngram_max, 2 if backend == "cpu" else 1)
 
 
+def default_overlap(backend: str, method: str) -> bool:
+    """Where ``speculative_overlap`` is not given: on with the ``ngram`` proposer, except on CPU.
+
+    Keeping a verifying step in flight hides the host's work between steps (reading the outcome,
+    proposing, preparing, dispatching: on an H200 a speculating llama3-8b batch-1 step took 6.6-7.2 ms
+    against 4.9 ms on device, docs/benchmarks.md, issue 26) but discards the next step of every
+    sequence whose step in flight rejects a proposal, and proposals that follow a guessed token are
+    accepted less. On XLA:CPU there is little to hide (a few hundred us of host work next to 30+ ms
+    steps) while a discarded step costs a whole verify step: SmolLM2 with n-gram proposals on the
+    six input-grounded prompts ran 1.60x plain decode overlapped against 1.83x synchronously
+    (docs/benchmarks.md). Only a host-bound model gains there (tiny-llama3, replayed proposals:
+    3.8-4.2x against 2.3-2.5x). A draft model proposes by running its own steps on the device, which
+    wait for the step in flight anyway."""
+    return backend != "cpu" and method == "ngram"
+
+
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last ``n`` tokens (longest
     ``n`` in ``[ngram_min, ngram_max]`` first) in its own prompt and output, and propose the tokens
@@ -51,7 +71,11 @@ class NgramProposer:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return [self.lookup(s.token_ids, k) if k > 0 else [] for s, k in zip(seqs, limits)]
+        out = []
+        for s, k in zip(seqs, limits):
+            context, skip = s.assumed_context()
+            out.append(self.lookup(context, k + skip)[skip:] if k > 0 else [])
+        return out
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         ids = np.asarray(tokens, np.int64)
@@ -81,17 +105,19 @@ class DraftProposer:
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         eng = self.engine
-        rids = []
+        rids, skips = [], []
         for s, k in zip(seqs, limits):
+            context, skip = s.assumed_context()
             rids.append(f"draft-{next(self._ids)}")
-            eng.add_request(rids[-1], s.token_ids, SamplingParams(max_tokens=max(1, k), temperature=0.0,
-                                                                  ignore_eos=True))
+            skips.append(skip)
+            eng.add_request(rids[-1], context, SamplingParams(max_tokens=max(1, k + skip), temperature=0.0,
+                                                              ignore_eos=True))
         out = {}
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
                     out[o.request_id] = o.token_ids
-        return [out[r][:k] for r, k in zip(rids, limits)]
+        return [out[r][skip:skip + k] for r, k, skip in zip(rids, limits, skips)]
 
 
 def check_draft(target, draft) -> None:
