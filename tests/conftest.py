@@ -27,3 +27,25 @@ def smollm2_hf():
     path = resolve_model("smollm2-135m").path
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                 dtype=torch.float32, local_files_only=True).eval()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code():
+    """After a test, drop JAX's caches of compiled code once the process maps many regions: every
+    engine a test builds leaves its executables in JAX's jit caches (~100-300 memory maps each on
+    XLA:CPU), and a file of many engines (tests/test_speculative.py: ~60k maps) reached the kernel's
+    ``vm.max_map_count`` (65530) and crashed inside XLA. Engines still alive keep their own steps
+    (``ModelRunner``'s LRU holds the compiled objects)."""
+    yield
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+    except OSError:
+        return
+    if maps > 20000:
+        import gc
+
+        import jax
+
+        gc.collect()
+        jax.clear_caches()

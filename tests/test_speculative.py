@@ -46,7 +46,7 @@ class Replay:
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=4)  # bounded: each engine's compiled steps hold ~3k memory maps (conftest.py)
 def spec_llm(k: int, **options) -> LLM:
     return LLM(MODEL, **{**BASE, **options}, speculative_method="ngram", num_speculative_tokens=k)
 
