@@ -24,8 +24,8 @@ flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for 
                   "1, 8, 16, x4, ... up to --max_num_batched_tokens).")
 flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, 8, 16, x4, "
                   "... up to --max_num_seqs).")
-flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU 16, x4, ... "
-                  "up to max_model_len / page_size).")
+flags.DEFINE_list("page_buckets", None, "Padded pages per sequence (default: the engine's; on CPU one, "
+                  "max_model_len / page_size: its attention reads only the context a batch fills).")
 flags.DEFINE_enum("speculative_method", None, ["ngram", "draft"], "Speculative decoding (off by default): 'ngram' "
                   "proposes the tokens that followed the sequence's last n-gram in its own prompt and output; "
                   "'draft' the greedy continuation of --speculative_model.")
