@@ -8,6 +8,7 @@ else shares its batch, and again after preemption and recompute.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,14 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
+def _unless_all_greedy(greedy_only: bool | None, b: SamplingBatch, greedy, sampled: Callable):
+    """``greedy`` if every row is greedy, else ``sampled()``: decided by the static ``greedy_only``, or
+    at run time where it is ``None`` (``sample`` says when)."""
+    if greedy_only is None:
+        return jax.lax.cond(jnp.all(b.temperature == 0), lambda: greedy, sampled)
+    return greedy if greedy_only else sampled()
+
+
 def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = False,
            num_logprobs: int | None = None, penalties: bool = False, bitmask: jax.Array | None = None) -> SampleResult:
     """Sample one token per row of float32 ``logits [S, V]``.
@@ -112,22 +121,18 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     does not need: ``greedy_only`` skips the sort over the vocabulary. ``greedy_only=None`` decides
     that at run time (a ``lax.cond`` on the temperatures), so greedy and sampled steps share one
     executable: what the CPU does (``ModelRunner``), where XLA evaluates the predicate in place; XLA
-    on GPU reads it on the host, which blocks the dispatch of the whole step. ``num_logprobs=None`` skips logprobs altogether (the log-softmax is a few
-    reduction kernels over the vocabulary, ~1% of an 8B batch-1 step on an H200); otherwise the
-    sampled token's logprob and the top ``num_logprobs`` are returned, those of the model's raw
-    distribution (as in vLLM/OpenAI). ``bitmask`` (structured outputs) masks the logits before
+    on GPU reads it on the host, which blocks the dispatch of the whole step. ``num_logprobs=None``
+    skips logprobs altogether (the log-softmax is a few reduction kernels over the vocabulary, ~1% of
+    an 8B batch-1 step on an H200); otherwise the sampled token's logprob and the top
+    ``num_logprobs`` are returned, those of the model's raw distribution (as in vLLM/OpenAI). ``bitmask`` (structured outputs) masks the logits before
     anything else; a step without constrained rows passes None and compiles without it.
     """
     logits = logits.astype(jnp.float32)
     adjusted = logits if bitmask is None else apply_bitmask(logits, bitmask)
     adjusted = _apply_penalties(adjusted, b) if penalties else adjusted
-    tokens = jnp.argmax(adjusted, axis=-1)
-    if greedy_only is None:
-        greedy = tokens
-        tokens = jax.lax.cond(jnp.all(b.temperature == 0), lambda: greedy,
-                              lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
-    elif not greedy_only:
-        tokens = jnp.where(b.temperature == 0, tokens, _sample_random(adjusted, b))
+    greedy = jnp.argmax(adjusted, axis=-1)
+    tokens = _unless_all_greedy(greedy_only, b, greedy,
+                                lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
     tokens = tokens.astype(jnp.int32)
     return SampleResult(tokens, *_logprobs(logits, tokens, num_logprobs))
 
@@ -196,12 +201,8 @@ def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     target = jnp.argmax(adjusted, axis=-1).astype(jnp.int32).reshape(s, k1)
     prop = jnp.concatenate([b.proposals, jnp.full((s, 1), -1, jnp.int32)], axis=1)  # position K: nothing proposed
     accept = prop == target
-    tokens = target
-    if greedy_only is None:  # decided at run time, as in ``sample``
-        accept, tokens = jax.lax.cond(jnp.all(b.temperature == 0), lambda: (accept, target),
-                                      lambda: _verify_sampled(adjusted, rb, b, prop, accept, target))
-    elif not greedy_only:
-        accept, tokens = _verify_sampled(adjusted, rb, b, prop, accept, target)
+    accept, tokens = _unless_all_greedy(greedy_only, b, (accept, target),
+                                        lambda: _verify_sampled(adjusted, rb, b, prop, accept, target))
     num_accepted = jnp.sum(jnp.cumprod(accept[:, :k].astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     per_position = _logprobs(flat, tokens.reshape(-1), num_logprobs)  # positions as rows, then [S, K + 1, ...]
     emitted = jnp.where(jnp.arange(k1)[None, :] <= num_accepted[:, None], tokens, -1)

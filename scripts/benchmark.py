@@ -436,8 +436,9 @@ def start_up(cache_home: str) -> dict:
 
 def bucket_times(llm) -> list[dict]:
     """The compiled step of every (tokens, seqs) bucket at the smallest page bucket, timed alone
-    (median of 5): no step shape should cost more per token than a larger one. Every query sits at
-    position 0, so attention reads one key block of context (``paged.attention``)."""
+    (median of 5), each sequence at a context of at most 256 tokens (the CPU's smallest page bucket
+    before it kept only the longest; the positions follow ``seq_lens``): no step shape should cost
+    more per token than a larger one."""
     import jax
     from jaxinfer.batching.model_runner import _PENALTY_SLOTS
     from jaxinfer.paged.kv_cache import BatchMetadata
@@ -449,7 +450,8 @@ def bucket_times(llm) -> list[dict]:
             continue
         tokens = np.zeros(t, np.int32)
         slots = np.full(t, runner.cache.num_pages * runner.cache.page_size, np.int32)
-        md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.full(s, p * runner.cache.page_size, np.int32),
+        context = min(p * runner.cache.page_size, 256)
+        md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.full(s, context, np.int32),
                            np.minimum(np.arange(s + 1, dtype=np.int32) * (t // s), t), np.zeros(s, np.int32))
         args = (tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
                 runner.step_flags(greedy=True))

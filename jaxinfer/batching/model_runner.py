@@ -62,8 +62,8 @@ def default_buckets(backend: str, max_tokens: int, max_seqs: int, max_pages: int
     then 16 tokens and x4 steps; sequences 1, 4, 8, 16, x4...; one page bucket, the longest: the
     reference attention (the CPU's) reads only as much context as the batch's longest sequence fills
     (``paged.attention``), so shorter page buckets saved nothing but compiled a step each
-    (docs/benchmarks.md has the step time per bucket). Measured on SmolLM2 (2-core box, under load): a step of 2 or 4
-    tokens cost about what 8 do (168 and 206 ms against 138-165 ms: XLA:CPU's dots for 2-4 rows are
+    (docs/benchmarks.md has the step time per bucket). Measured on SmolLM2 (2-core box, under
+    load): a step of 2 or 4 tokens cost about what 8 do (168 and 206 ms against 138-165 ms: XLA:CPU's dots for 2-4 rows are
     slow) while 16 tokens cost 335-375 ms, so 8 decodes padded to 16 paid twice over; the 8-token
     bucket made the 8 x (128 + 128) workload faster. SmolLM2's server defaults plan 16 shapes (one
     step each: greedy or not is decided in the step on CPU), not the 624 whose compilation ran out of
@@ -483,7 +483,8 @@ class ModelRunner:
             if feeds_next:
                 self.last_tokens = last
 
-    def warmup_plan(self, shapes=None, greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool | None]]:
+    def warmup_plan(self, shapes=None,
+                    greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool | None]]:
         """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only)`` for every
         bucket, greedy and (unless ``greedy_only``) sampled, or on CPU one step that does both (``None``),
         and the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
@@ -525,7 +526,8 @@ class ModelRunner:
                 new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.write_dtype)
                 self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
                                                                           np.int32))
-        rest = sorted((x for x in plan if x not in first), key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], x[2] is False))
+        rest = sorted((x for x in plan if x not in first),
+                      key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], x[2] is False))
         if rest:
             def compile_rest():
                 for step in rest:

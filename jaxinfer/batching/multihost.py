@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 _STOP, _STEP = 0, 1
-# cmd, buffer length, tokens, seqs, pages, penalty slots, decode_only, greedy_only (-1: None), num_logprobs (-1: None),
-# penalties, whether the step's sampled tokens feed the next step (engine steps; not warm-up)
+# cmd, buffer length, tokens, seqs, pages, penalty slots, decode_only, greedy_only (-1: None),
+# num_logprobs (-1: None), penalties, whether the step's sampled tokens feed the next step (engine steps; not warm-up)
 _HEADER = 11
 
 
@@ -67,7 +67,8 @@ def receive_step():
     if h[0] == _STOP:
         return None
     inputs = _broadcast(np.zeros(h[1], np.int32))
-    flags = dict(greedy_only=None if h[7] < 0 else bool(h[7]), num_logprobs=None if h[8] < 0 else h[8], penalties=bool(h[9]))
+    flags = dict(greedy_only=None if h[7] < 0 else bool(h[7]), num_logprobs=None if h[8] < 0 else h[8],
+                 penalties=bool(h[9]))
     return inputs, tuple(h[2:6]), bool(h[6]), flags, bool(h[10])
 
 

@@ -6,6 +6,8 @@ sequences into one ragged batch; every query reads its own sequence's context th
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -126,11 +128,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         """One query block's running (max, sum, unnormalized output) after the keys ``kb``/``vvb``."""
         m, l, acc = state
         ctx_of = "ckd" if kb.ndim == 3 else "bckd"  # one context for the block, or one per query
-        kf, vf = kb.astype(jnp.float32), vvb.astype(jnp.float32)
-        if qb.shape[0] == 1:  # one query (batch-1 decode): no dot
-            s = _product_sum(f"bkgd,{ctx_of}->bkgc", qb, kf) * scale
-        else:
-            s = jnp.einsum(f"bkgd,{ctx_of}->bkgc", qb, kf, precision=jax.lax.Precision.HIGHEST) * scale
+        contract = _product_sum if qb.shape[0] == 1 else functools.partial(  # one query (batch-1 decode): no dot
+            jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+        s = contract(f"bkgd,{ctx_of}->bkgc", qb, kb.astype(jnp.float32)) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_pos[None, :] <= pb[:, None]
@@ -142,10 +142,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe)
         correction = jnp.exp(m - m_safe)  # 0 where nothing was seen yet (m = -inf)
-        if qb.shape[0] == 1:
-            out = _product_sum(f"bkgc,{ctx_of}->bkgd", p, vf)
-        else:
-            out = jnp.einsum(f"bkgc,{ctx_of}->bkgd", p, vf, precision=jax.lax.Precision.HIGHEST)
+        out = contract(f"bkgc,{ctx_of}->bkgd", p, vvb.astype(jnp.float32))
         return m_new, l * correction + jnp.sum(p, axis=-1, keepdims=True), acc * correction + out
 
     def key_step(j, state):
