@@ -154,6 +154,12 @@ REFERENCE_CASES = {
                                  None),
     "one_long_sequence_window_softcap": ([(40, 1000)], 16, 2, 64, 2, jnp.float32, 5.0, 300),
     "batch1_decode_over_key_blocks": ([(1, 700)], 16, 2, 64, 3, jnp.float32, None, None),  # one query: no dot
+    # Decode steps: each query its own sequence's, in order, read as a slice of the contexts, not a
+    # per-query copy; with padding queries past the sequences, and (20 decodes: blocks of 16) a
+    # second block that runs past the sequences and takes the copy.
+    "decodes_in_order_over_key_blocks": ([(1, 20), (1, 300), (1, 5), (1, 260)], 16, 2, 64, 3, jnp.float32, None,
+                                         None),
+    "twenty_decodes": ([(1, 3 + 29 * i % 300) for i in range(20)], 16, 1, 64, 2, jnp.float32, None, None),
 }
 
 

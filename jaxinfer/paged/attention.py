@@ -23,26 +23,6 @@ _SEGMENT_BLOCK = 16
 _KEY_BLOCK = 256
 
 
-def _product_sum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``jnp.einsum(spec, a, b)`` as a broadcast product and a sum: one loop fusion on XLA:CPU. For a
-    single query the einsum's dots cost more than their arithmetic: XLA:CPU transposed K, V and the
-    scores around two small library calls per layer; the batch-1 SmolLM2 decode step went from 23.7 to
-    22.6 ms (docs/benchmarks.md, issue 22)."""
-    ins, out = spec.split("->")
-    sa, sb = ins.split(",")
-    letters = "".join(dict.fromkeys(sa + sb))
-
-    def arrange(x, sx):  # the axes in the order of ``letters``, size 1 where ``x`` lacks a letter
-        perm = [sx.index(c) for c in letters if c in sx]
-        x = jnp.transpose(x, perm)
-        return jnp.expand_dims(x, [i for i, c in enumerate(letters) if c not in sx])
-    prod = arrange(a, sa) * arrange(b, sb)
-    summed = [i for i, c in enumerate(letters) if c not in out]
-    r = jnp.sum(prod, axis=tuple(summed))
-    kept = [c for c in letters if c in out]
-    return jnp.transpose(r, [kept.index(c) for c in out])
-
-
 def token_layout(md: BatchMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For each packed token: its sequence index, its position, and whether it is a real token."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -127,10 +107,21 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     def attend_to(qb, pb, vb, kb, vvb, key_pos, state):
         """One query block's running (max, sum, unnormalized output) after the keys ``kb``/``vvb``."""
         m, l, acc = state
-        ctx_of = "ckd" if kb.ndim == 3 else "bckd"  # one context for the block, or one per query
-        contract = _product_sum if qb.shape[0] == 1 else functools.partial(  # one query (batch-1 decode): no dot
-            jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-        s = contract(f"bkgd,{ctx_of}->bkgc", qb, kb.astype(jnp.float32)) * scale
+        kb, vvb = kb.astype(jnp.float32), vvb.astype(jnp.float32)
+        hi = jax.lax.Precision.HIGHEST
+        if qb.shape[0] == 1 and kb.ndim == 3:
+            # One query over one context (batch-1 decode): dots over the context in its stored
+            # [c, kv_heads, D] order. The block-shaped einsums below made XLA:CPU transpose K and V
+            # around two small library calls per layer, and a broadcast product and sum still
+            # transposed them: SmolLM2's batch-1 step 22.8 -> 21.3 ms at a 128-token context, 28.2
+            # -> 26.9 ms at 600 (docs/benchmarks.md, issue 22).
+            scores = lambda q, k: jnp.einsum("ckd,kgd->kgc", k, q[0], precision=hi)[None]  # noqa: E731
+            mix = lambda p, v: jnp.einsum("kgc,ckd->kgd", p[0], v, precision=hi)[None]  # noqa: E731
+        else:
+            ctx_of = "ckd" if kb.ndim == 3 else "bckd"  # one context for the block, or one per query
+            scores = functools.partial(jnp.einsum, f"bkgd,{ctx_of}->bkgc", precision=hi)
+            mix = functools.partial(jnp.einsum, f"bkgc,{ctx_of}->bkgd", precision=hi)
+        s = scores(qb, kb) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_pos[None, :] <= pb[:, None]
@@ -142,7 +133,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe)
         correction = jnp.exp(m - m_safe)  # 0 where nothing was seen yet (m = -inf)
-        out = contract(f"bkgc,{ctx_of}->bkgd", p, vvb.astype(jnp.float32))
+        out = mix(p, vvb)
         return m_new, l * correction + jnp.sum(p, axis=-1, keepdims=True), acc * correction + out
 
     def key_step(j, state):
@@ -154,9 +145,25 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             if one:
                 return attend_to(qb, pb, vb, k_seq[0], v_seq[0], key_pos, st)
             first = sb[0]  # padding queries (~vb) may name any sequence: they are masked out
-            return jax.lax.cond(jnp.all((sb == first) | ~vb),
-                                lambda: attend_to(qb, pb, vb, k_seq[first], v_seq[first], key_pos, st),
-                                lambda: attend_to(qb, pb, vb, k_seq[sb], v_seq[sb], key_pos, st))
+            branches = [lambda: attend_to(qb, pb, vb, k_seq[first], v_seq[first], key_pos, st),
+                        lambda: attend_to(qb, pb, vb, k_seq[sb], v_seq[sb], key_pos, st)]
+            which = jnp.where(jnp.all((sb == first) | ~vb), 0, 1)
+            # Query i of the block is sequence first + i's (a decode step: one token per sequence, in
+            # order; any queries past the sequences are padding): their contexts are a slice of k_seq,
+            # the whole of it when the block spans every sequence, not a per-query copy. SmolLM2's
+            # 8-sequence decode step on CPU copied 3 MB per layer that way: 60.0 -> 53.7 ms at a
+            # ~300-token context (docs/benchmarks.md, issue 22).
+            n = min(block, num_seqs)
+
+            def in_order():
+                k = jax.lax.dynamic_slice_in_dim(k_seq, first, n)
+                v = jax.lax.dynamic_slice_in_dim(v_seq, first, n)
+                part = attend_to(qb[:n], pb[:n], vb[:n], k, v, key_pos, tuple(x[:n] for x in st))
+                return tuple(jnp.concatenate([a, x[n:]]) for a, x in zip(part, st))
+            branches.append(in_order)
+            in_order_ok = jnp.all((sb == first + jnp.arange(block)) | ~vb) & (first + n <= num_seqs)
+            which = jnp.where(which == 0, 0, jnp.where(in_order_ok, 2, 1))
+            return jax.lax.switch(which, branches)
         return jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid), state))
 
     shape = (num_blocks, block, num_kv_heads, group)
