@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__SSE2__)  // x86: the intrinsics of whatever -march=native enables
 #include <immintrin.h>
 #endif
 
