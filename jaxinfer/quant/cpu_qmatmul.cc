@@ -169,45 +169,41 @@ struct Scratch {
   std::vector<float> d, m;
 };
 
-// Column block b of the tile's row r decoded to float32: columns b*32 .. +15 in lo, +16 .. +31 in hi.
+// Column block b of row `row` decoded to float32 (columns b*32 .. +15 in lo, +16 .. +31 in hi), d
+// and m that row's per-block parameters.
 template <bool kFour>
-inline void decode(const Weights& w, int64_t row0, int r, int64_t b, const Scratch& s, V& lo, V& hi) {
-  const int64_t blocks = w.in / 32;
+inline void decode(const Weights& w, int64_t row, int64_t b, const float* d, const float* m, V& lo, V& hi) {
   if (kFour) {
-    nibbles(w.values + (row0 + r) * (w.in / 2) + b * 16, lo, hi);
+    nibbles(w.values + row * (w.in / 2) + b * 16, lo, hi);
   } else {
-    bytes(reinterpret_cast<const int8_t*>(w.values) + (row0 + r) * w.in + b * 32, lo, hi);
+    bytes(reinterpret_cast<const int8_t*>(w.values) + row * w.in + b * 32, lo, hi);
   }
-  const V dv = vset1(s.d[r * blocks + b]), mv = vset1(s.m[r * blocks + b]);
+  const V dv = vset1(d[b]), mv = vset1(m[b]);
   lo = vfma(lo, dv, mv);
   hi = vfma(hi, dv, mv);
 }
 
 // y[t, row0 + r] for R rows and TT tokens: each block of codes decoded once, its product with every
-// token accumulated in registers.
+// token accumulated in registers (R * TT accumulators). d, m: the rows' parameters, `blocks` apart.
 template <bool kFour, int R, int TT>
-void tile(const Weights& w, int64_t row0, const Scratch& s, const float* x, float* y) {
+void tile(const Weights& w, int64_t row0, const float* d, const float* m, const float* x, float* y) {
   const int64_t blocks = w.in / 32;
   V acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    V xl[TT], xh[TT];
-    for (int t = 0; t < TT; ++t) {
-      xl[t] = vload(x + t * w.in + b * 32);
-      xh[t] = vload(x + t * w.in + b * 32 + 16);
-    }
     for (int r = 0; r < R; ++r) {
       V lo, hi;
-      decode<kFour>(w, row0, r, b, s, lo, hi);
-      for (int t = 0; t < TT; ++t) acc[r][t] = vfma(hi, xh[t], vfma(lo, xl[t], acc[r][t]));
+      decode<kFour>(w, row0 + r, b, d + r * blocks, m + r * blocks, lo, hi);
+      for (int t = 0; t < TT; ++t)
+        acc[r][t] = vfma(hi, vload(x + t * w.in + b * 32 + 16), vfma(lo, vload(x + t * w.in + b * 32), acc[r][t]));
     }
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) y[t * w.out + row0 + r] = vsum(acc[r][t]);
 }
 
-using TileFn = void (*)(const Weights&, int64_t, const Scratch&, const float*, float*);
+using TileFn = void (*)(const Weights&, int64_t, const float*, const float*, const float*, float*);
 template <bool kFour, int R>
 constexpr TileFn kByTokens[kTokenTile] = {tile<kFour, R, 1>, tile<kFour, R, 2>, tile<kFour, R, 3>, tile<kFour, R, 4>};
 template <bool kFour>
@@ -220,12 +216,13 @@ void rows_of(const Weights& w, const float* x, int64_t tokens, float* y, int64_t
   const int64_t blocks = w.in / 32;
   s.d.resize(kRowTile * blocks);
   s.m.resize(kRowTile * blocks);
+  const float *d = s.d.data(), *m = s.m.data();
   for (int64_t row0 = begin; row0 < end; row0 += kRowTile) {
     const int rows = int(std::min<int64_t>(kRowTile, end - row0));
     w.tile_params(row0, rows, s.d.data(), s.m.data());
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
       const int tt = int(std::min<int64_t>(kTokenTile, tokens - t0));
-      kTiles<kFour>[rows - 1][tt - 1](w, row0, s, x + t0 * w.in, y + t0 * w.out);
+      kTiles<kFour>[rows - 1][tt - 1](w, row0, d, m, x + t0 * w.in, y + t0 * w.out);
     }
   }
 }
