@@ -11,11 +11,17 @@ for it here). Random codes and scales (the time does not depend on them). Varian
 - ``q4_1-kernel``: through ``cpu_kernel.qmatmul`` on XLA's intra-op pool;
 - ``q4_1-kernel-1t``: the kernel on the calling thread alone (what the pool adds).
 
+``--engine``: instead, the embedded SmolLM2's whole decode step (``benchmark.decode_step``: one
+step of 1 or 8 sequences at context 128, the CPU buckets 1 / 8 / 128 tokens) for ``none`` (float32),
+``gguf`` (Q4_1 + Q8_0 through the kernel) and ``gguf-1t`` (the kernel on the calling thread alone),
+the engines built first and timed in turn.
+
 For each ``--tokens`` count: the fastest of ``--reps`` timed runs (after a warm-up; the variants
 timed in turn, so a burst of other load on a shared machine hits all of them; medians in the JSON),
 in ms per chain. Prints a table, writes JSON to ``--out``.
 
     PYTHONPATH=$PWD nice -n 19 .venv/bin/python scripts/bench_cpu_qmatmul.py --out docs/results/cpu-qmatmul.json
+    PYTHONPATH=$PWD nice -n 19 .venv/bin/python scripts/bench_cpu_qmatmul.py --engine --out docs/results/cpu-qmatmul-engine.json
 """
 
 from __future__ import annotations
@@ -87,13 +93,53 @@ def compiled_chain(variant: str, w: dict, tokens: int):
         cpu_kernel.supported, cpu_kernel.THREADS = supported, threads
 
 
+def engine_steps(reps: int) -> list[dict]:
+    """The engine's decode step at batch 1 and 8 per weight format (see the module docstring)."""
+    import numpy as np
+    from benchmark import decode_step, random_prompts  # scripts/ is on sys.path when run as a script
+    from jaxinfer import LLM
+    steps = {}
+    for name, quantization, threads in (("none", "none", 0), ("gguf", "gguf", 0), ("gguf-1t", "gguf", 1)):
+        cpu_kernel.THREADS = threads
+        jax.clear_caches()
+        llm = LLM("smollm2-135m", quantization=quantization, compilation_cache_dir="", max_num_seqs=8,
+                  max_num_batched_tokens=128, max_model_len=256, token_buckets=(1, 8, 128), seq_buckets=(1, 8),
+                  page_buckets=(16,))
+        prompts = random_prompts(np.random.default_rng(4), 8, [128] * 8, llm.engine.model_config.vocab_size)
+        for b in (1, 8):
+            fn = decode_step(llm, prompts[:b])[0]
+            jax.block_until_ready(fn())
+            steps[name, b] = (llm, fn, [])
+    cpu_kernel.THREADS = 0
+    for _ in range(reps):
+        for _, fn, times in steps.values():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append((time.perf_counter() - t0) * 1e3)
+    return [{"variant": name, "seqs": b, "ms": round(min(t), 3), "median_ms": round(statistics.median(t), 3)}
+            for (name, b), (_, _, t) in steps.items()]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", nargs="+", default=["f32", "q4_1-xla", "q4_1-kernel", "q4_1-kernel-1t"])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cpu-qmatmul.json"))
+    p.add_argument("--engine", action="store_true", help="time the engine's decode step instead (see above)")
     args = p.parse_args()
+    if args.engine:
+        rows = engine_steps(args.reps)
+        base = {r["seqs"]: r["ms"] for r in rows if r["variant"] == "none"}
+        print("| weights | seqs | step ms (fastest) | median | tok/s | vs float32 |\n|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['variant']} | {r['seqs']} | {r['ms']:.2f} | {r['median_ms']:.2f} | "
+                  f"{r['seqs'] * 1e3 / r['ms']:.1f} | {base[r['seqs']] / r['ms']:.2f}x |")
+        with open(args.out, "w") as f:
+            json.dump({"engine_steps": rows, "load": os.getloadavg(), "cpus": os.cpu_count(), "jax": jax.__version__},
+                      f, indent=2)
+        print(f"(json: {args.out})")
+        return
     chains = {}
     for variant in args.variants:
         w = weights("f32" if variant == "f32" else "q")
