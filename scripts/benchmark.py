@@ -504,7 +504,7 @@ def cpu(results):
     cache_home = tempfile.mkdtemp(prefix="jaxinfer-cache-")  # empty: the first start-up is a cold one
     cold, warm = start_up(cache_home), start_up(cache_home)
     cache_dir = os.path.join(cache_home, "jaxinfer", "xla")
-    llm = LLM(F.model, dtype=F.dtype, compilation_cache_dir=cache_dir, **CPU_OPTS)
+    llm = LLM(F.model, dtype=F.dtype, quantization=F.quantization, compilation_cache_dir=cache_dir, **CPU_OPTS)
     warmup_s = llm.warmup()
     compiled = llm.engine.num_compilations
     prompts = license_prompts(llm.tokenizer, 8, 128)

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -98,11 +99,19 @@ def _compile(cxx: str, path: str) -> None:
             os.unlink(tmp)
 
 
+_lock = threading.Lock()  # the engine traces its steps on several threads at once
+
+
 @functools.cache
-def _register() -> None:
+def _library() -> ctypes.CDLL:
     lib = ctypes.cdll.LoadLibrary(library_path())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferQMatmul), platform="cpu")
-    _register.lib = lib  # keep the library loaded
+    return lib
+
+
+def _register() -> None:
+    with _lock:
+        _library()
 
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
