@@ -49,8 +49,11 @@ THREADS = 0
 
 
 def supported(w) -> bool:
-    """Whether the kernel takes ``w``: a 2-D ``QArray`` of its formats, input a multiple of 32."""
+    """Whether the kernel takes ``w``: a 2-D ``QArray`` of its formats, input a multiple of 32, float16
+    or float32 scales and offsets."""
     if not isinstance(w, QArray) or w.scheme not in FORMAT_IDS or w.values.ndim != 2:
+        return False
+    if any(a is not None and a.dtype not in (jnp.float16, jnp.float32) for a in (w.scales, w.offsets)):
         return False
     n = w.shape[-1]
     if w.scheme == "int8":
