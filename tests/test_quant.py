@@ -207,10 +207,12 @@ def test_cpu_kernel_is_built_once_into_the_user_cache(monkeypatch, tmp_path, cap
     assert cpu_kernel.library_path() == path
 
 
-def test_cpu_kernel_without_a_compiler_says_what_to_do(monkeypatch):
+def test_cpu_kernel_compiler_from_the_environment_or_a_clear_error(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(RuntimeError, match=r"\$CXX='/nonexistent/c\+\+' was not found.*quantization='none'"):
         cpu_kernel.library_path()
+    monkeypatch.setenv("CXX", "nice -n 19 c++")  # a launcher and its arguments: the command, in order
+    assert cpu_kernel.compiler()[1:] == ["-n", "19", "c++"] and cpu_kernel.compiler()[0].endswith("/nice")
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", "")
     with pytest.raises(RuntimeError, match=r"none \(c\+\+, g\+\+\) is on the PATH.*apt-get install g\+\+"):

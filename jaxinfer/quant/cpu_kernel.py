@@ -11,7 +11,7 @@ so the ops around it keep that pool's threads awake.
 
 Built on first use, not at install: ``$CXX`` (or ``c++`` / ``g++``) compiles it with
 ``-O3 -march=native`` into the user cache (``kernels/``), the file named by a hash of the source,
-flags, compiler and jax version, written under a temporary name and renamed (processes may race).
+flags, compiler, CPU and jax version, written under a temporary name and renamed (processes may race).
 
 Formats: ``q4_0``, ``q4_1``, ``q8_0``, ``int4`` (any group size a multiple of 32) and ``int8`` (one
 scale per row), 2-D weights whose input dimension is a multiple of 32.
@@ -24,6 +24,8 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -61,38 +63,49 @@ def supported(w) -> bool:
     return n % 32 == 0 and w.group_size % 32 == 0 and n % w.group_size == 0
 
 
-def compiler() -> str:
-    """The C++ compiler: ``$CXX``, else ``c++`` or ``g++`` on the PATH; a ``RuntimeError`` if none."""
+def compiler() -> list[str]:
+    """The C++ compiler's command (``$CXX``, which may carry a launcher or flags, else ``c++`` or
+    ``g++`` on the PATH); a ``RuntimeError`` if there is none."""
     cxx = os.environ.get("CXX")
-    found = shutil.which(cxx) if cxx else (shutil.which("c++") or shutil.which("g++"))
+    cmd = shlex.split(cxx) if cxx else [shutil.which("c++") or shutil.which("g++") or ""]
+    found = shutil.which(cmd[0]) if cmd and cmd[0] else None
     if not found:
         raise RuntimeError(
             f"quantized weights on CPU need a C++17 compiler to build jaxinfer's matmul kernel once, and "
             f"{'$CXX=' + repr(cxx) + ' was not found' if cxx else 'none (c++, g++) is on the PATH'}: install one "
             f"(e.g. `apt-get install g++`) or set $CXX, or load the model in float "
             f"(quantization='none')")
-    return found
+    return [found, *cmd[1:]]
+
+
+def _cpu() -> str:
+    """What ``-march=native`` compiles for: a cache shared by several machines keeps one build each."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
 
 
 def library_path() -> str:
     """The kernel's shared library, compiled into the user cache unless already there."""
     cxx = compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, os.path.realpath(cxx), version,
-                                    jax.__version__]).encode()).hexdigest()[:16]
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, os.path.realpath(cxx[0]), *cxx[1:], version,
+                                    _cpu(), jax.__version__]).encode()).hexdigest()[:16]
     path = os.path.join(user_cache_dir("kernels"), f"cpu_qmatmul-{key}.so")
     if not os.path.exists(path):
         _compile(cxx, path)
     return path
 
 
-def _compile(cxx: str, path: str) -> None:
+def _compile(cxx: list[str], path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    log.info("building the CPU quantized-matmul kernel (once): %s -> %s", cxx, path)
+    log.info("building the CPU quantized-matmul kernel (once): %s -> %s", " ".join(cxx), path)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CPU quantized-matmul kernel failed ({' '.join(cmd)}):\n{done.stderr}")
