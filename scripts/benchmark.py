@@ -174,7 +174,8 @@ def weight_bytes(llm) -> float:
     mc, w = llm.engine.model_config, llm.engine.runner.weights
     share = lambda name: mc.num_experts_per_tok / mc.num_experts if name.startswith("experts_") else 1.0  # noqa: E731
     layers = w.layers if isinstance(w.layers, list) else [w.layers]
-    read = sum(x.nbytes * share(name) for lw in layers for name, x in lw.items())
+    nbytes = lambda x: sum(a.nbytes for a in jax.tree.leaves(x))  # noqa: E731 (QArray, spec.InOut: pytrees)
+    read = sum(nbytes(x) * share(name) for lw in layers for name, x in lw.items())
     return read + sum(x.nbytes for x in jax.tree.leaves((w.final_norm, w.lm_head if w.lm_head is not None else w.embed)))
 
 
@@ -503,7 +504,7 @@ def cpu(results):
     cache_home = tempfile.mkdtemp(prefix="jaxinfer-cache-")  # empty: the first start-up is a cold one
     cold, warm = start_up(cache_home), start_up(cache_home)
     cache_dir = os.path.join(cache_home, "jaxinfer", "xla")
-    llm = LLM(F.model, dtype=F.dtype, compilation_cache_dir=cache_dir, **CPU_OPTS)
+    llm = LLM(F.model, dtype=F.dtype, quantization=F.quantization, compilation_cache_dir=cache_dir, **CPU_OPTS)
     warmup_s = llm.warmup()
     compiled = llm.engine.num_compilations
     prompts = license_prompts(llm.tokenizer, 8, 128)

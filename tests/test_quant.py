@@ -1,12 +1,14 @@
 """Quantized weights (jaxinfer.quant): the machinery against its oracles, the embedded model's quality.
 
 - each scheme's ``linear`` equals dequantize-then-matmul within float32 rounding (odd group counts,
-  one token on the GPU's row-reduction path, the MoE experts' stacked layout);
+  one token on the GPU's row-reduction path, the CPU's native kernel, the MoE experts' stacked layout);
+- the CPU kernel is built once into the user cache, and a missing compiler says what to do;
 - each GGUF block type decodes bit-exactly like ``gguf.quants.dequantize``;
 - bad input is a clear error naming the choices.
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.quant import QArray, check_device_supports, dequantize, quantize, to_device
 from jaxinfer.quant import gguf as gguf_blocks
 from jaxinfer.pallas_kernels import qmatvec
-from jaxinfer.quant import matmul
+from jaxinfer.quant import cpu_kernel, matmul
 from jaxinfer.quant.matmul import fp8_activations
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -169,6 +171,52 @@ def test_matvec_kernel_lowers_to_triton(scheme):
         lowered = jax.jit(matmul.kernel_matvec, static_argnums=2).trace(
             jnp.ones((tokens, 256), jnp.bfloat16), w, jnp.bfloat16).lower(lowering_platforms=("cuda",))
         assert "xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("scheme,din", [("Q4_0", 96), ("Q4_1", 224), ("Q8_0", 160), ("int4-g32", 96),
+                                        ("int4-g64", 576), ("int4-g128", 384), ("int8", 320)])
+@pytest.mark.parametrize("gain", [False, True])
+def test_cpu_kernel_matches_dequantize_then_matmul(scheme, din, gain):
+    """On CPU ``qlinear`` runs the native kernel (the custom call is in the compiled step) and equals
+    float64 dequantize-then-matmul within float32 rounding: 45 rows (tiles of 4 rows and a partial
+    one, chunks of 16 shared by the threads), odd group counts (3, 5, 7, 9), 1-33 tokens (tiles of 4
+    tokens and partial ones), with and without an explicit norm gain on the columns."""
+    rng = np.random.default_rng(din)
+    w = _kernel_weight(rng, scheme, 45, din)
+    if gain:
+        w = layers.fold_norm(rng.uniform(0.2, 3.0, din), w)
+    for tokens in (1, 3, 8, 33):
+        x = jnp.asarray(rng.standard_normal((tokens, din)), jnp.float32)
+        assert cpu_kernel.TARGET in jax.jit(layers.linear).lower(x, w).as_text()
+        _check_linear(x, w)
+
+
+def test_cpu_kernel_is_built_once_into_the_user_cache(monkeypatch, tmp_path, caplog):
+    """The first use compiles into ``$XDG_CACHE_HOME/jaxinfer/kernels`` (logged); later uses find it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with caplog.at_level("INFO", logger="jaxinfer.quant.cpu_kernel"):
+        path = cpu_kernel.library_path()
+    assert path.startswith(str(tmp_path / "jaxinfer" / "kernels")) and os.path.exists(path)
+    assert any("building the CPU quantized-matmul kernel" in r.getMessage() for r in caplog.records)
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # the temporary file renamed
+
+    def no_compile(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(cpu_kernel, "_compile", no_compile)
+    assert cpu_kernel.library_path() == path
+
+
+def test_cpu_kernel_compiler_from_the_environment_or_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match=r"\$CXX='/nonexistent/c\+\+' was not found.*quantization='none'"):
+        cpu_kernel.library_path()
+    monkeypatch.setenv("CXX", "nice -n 19 c++")  # a launcher and its arguments: the command, in order
+    assert cpu_kernel.compiler()[1:] == ["-n", "19", "c++"] and cpu_kernel.compiler()[0].endswith("/nice")
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(RuntimeError, match=r"none \(c\+\+, g\+\+\) is on the PATH.*apt-get install g\+\+"):
+        cpu_kernel.library_path()
 
 
 def test_int4_reproduces_a_q4_1_grid_and_beats_min_max_rounding():

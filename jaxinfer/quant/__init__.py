@@ -6,7 +6,8 @@
 - ``gguf``: llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) repacked into ``QArray``s
   without dequantizing, so a GGUF file runs in its own format;
 - ``matmul``: the quantized matmul, the decode fused into the compiled step by XLA, or for a few tokens
-  on a GPU the Pallas matvec kernel (``jaxinfer.pallas_kernels.qmatvec``).
+  on a GPU the Pallas matvec kernel (``jaxinfer.pallas_kernels.qmatvec``), or on CPU the native
+  kernel ``cpu_kernel`` (``cpu_qmatmul.cc``, an XLA custom call built on first use).
 
 Why not ``qwix`` or ``aqtp`` (both evaluated from PyPI, qwix 0.1.8 and aqtp 0.9.0): both are built on
 Flax (``flax.struct`` pytrees; qwix rewrites Flax/NNX modules' ``dot_general`` by interception,

@@ -11,6 +11,9 @@
 - int8 and fp8 (one scale per output row): the dot runs on the codes (converted to the activations'
   dtype, or fp8 x fp8 with a dynamic per-token activation scale) and the row scales multiply its
   output, so no float copy of the weight is scaled.
+- On CPU, 2-D int8, int4, Q8_0, Q4_0 and Q4_1 weights (any number of tokens): the native kernel
+  ``cpu_kernel.qmatmul`` (an XLA custom call that decodes the codes in registers; XLA:CPU's dot
+  would multiply a materialized float copy, see its docstring).
 - Everything else: the weight decoded to the activations' dtype, then the dot.
 """
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.pallas_kernels.qmatvec import quantized_matvec
+from jaxinfer.quant import cpu_kernel
 from jaxinfer.quant.qarray import QArray, dequantize
 from jaxinfer.quant.schemes import FP8_MAX
 
@@ -67,6 +71,8 @@ def rowsum_matvec(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
 
 def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
     """``x [T, in]`` times the quantized ``w [out, in]`` transposed, accumulated in float32."""
+    if jax.default_backend() == "cpu" and cpu_kernel.supported(w):
+        return cpu_kernel.qmatmul(_scale_columns(x, w), w).astype(out_dtype)
     gpu = jax.default_backend() == "gpu"
     if gpu and x.shape[0] <= KERNEL_MAX_TOKENS and w.scheme in KERNEL_SCHEMES and w.shape[-1] % 32 == 0:
         return kernel_matvec(x, w, out_dtype)
