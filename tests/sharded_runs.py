@@ -37,8 +37,10 @@ from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 # Two prompts of different lengths: one prefill step of both, then decode steps (one bucket each).
 PROMPTS = [[1, 5, 9, 13, 200], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# Full precision throughout: one device would otherwise run the GGUF's own blocks (quantization
+# "auto" on CPU) where a mesh dequantizes them, and weights, bytes and tokens compare like with like.
 SMALL = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, token_buckets=(32,), seq_buckets=(2,),
-             page_buckets=(8,))
+             page_buckets=(8,), quantization="none")
 
 
 def run(model: str, tp: int, dp: int = 1, **options) -> dict:

@@ -44,9 +44,10 @@ class EngineConfig:
       matmuls read each layer's weights in place: the batch-1 SmolLM2 step ran as fast as unrolled,
       ~1.5x the scan, and compiles ~1.1x the scan against ~5x for unrolled; docs/benchmarks.md),
       scanned over a mesh.
-    - ``quantization="auto"``: on accelerators a GGUF file runs in its own blocks unless ``dtype``
-      is given (then it is dequantized to that dtype at load); on CPU, and for other sources, full
-      precision (``"gguf"`` asks for the blocks anywhere). ``"int8"``,
+    - ``quantization="auto"``: a GGUF file runs in its own blocks unless ``dtype`` is given (then
+      it is dequantized to that dtype at load); on CPU through a native kernel built on first use,
+      so only where a C++ compiler is found (else float32, with a warning); other sources in full
+      precision (``"gguf"`` asks for the blocks explicitly). ``"int8"``,
       ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
     - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in
       ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product

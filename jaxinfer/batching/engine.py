@@ -31,6 +31,7 @@ from jaxinfer.models.spec import cpu_matmul_layout
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 from jaxinfer.pallas_kernels import get_kernels
+from jaxinfer.quant import cpu_kernel
 from jaxinfer.sampling import VerifyResult
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -118,11 +119,16 @@ class LLMEngine:
                              "(replicas and swapped pages stay within one process)")
         quantization = config.quantization
         if quantization == "auto":
-            # Not on CPU: XLA:CPU decodes the blocks into a float copy every step, 2.5-4x slower per
-            # decode step than float32 weights for SmolLM2 (docs/benchmarks.md); --quantization gguf opts in.
-            # Not over a mesh either (EngineConfig refuses an explicit quantization there).
+            # On CPU through the native kernel (quant.cpu_kernel), which needs a C++ compiler: the
+            # embedded SmolLM2's batch-1 step 2.1x faster than its float32 weights, same float32
+            # arithmetic (docs/benchmarks.md, issue 25); without one, float32 (XLA alone decodes the
+            # blocks into a float copy every step, 2.5-4x slower). Not over a mesh (EngineConfig
+            # refuses an explicit quantization there).
             native = (self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
-                      and backend != "cpu" and self.mesh is None)
+                      and self.mesh is None and (backend != "cpu" or cpu_kernel.available()))
+            if self.source.kind == "gguf" and backend == "cpu" and not native and config.dtype == "auto":
+                log.warning("no C++ compiler for the CPU quantized-matmul kernel: running %s in float32 "
+                            "(install g++ to run its GGUF blocks natively, about 2x faster)", model)
             quantization = "gguf" if native else "none"
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format, seed=config.seed,

@@ -63,6 +63,16 @@ def supported(w) -> bool:
     return n % 32 == 0 and w.group_size % 32 == 0 and n % w.group_size == 0
 
 
+def available() -> bool:
+    """Whether the kernel can be built here (a C++ compiler is found): what ``quantization="auto"``
+    asks before running a GGUF file in its own blocks on CPU."""
+    try:
+        compiler()
+    except RuntimeError:
+        return False
+    return True
+
+
 def compiler() -> list[str]:
     """The C++ compiler's command (``$CXX``, which may carry a launcher or flags, else ``c++`` or
     ``g++`` on the PATH); a ``RuntimeError`` if there is none."""
