@@ -125,10 +125,11 @@ class LLMEngine:
             # blocks into a float copy every step, 2.5-4x slower). Not over a mesh (EngineConfig
             # refuses an explicit quantization there).
             native = (self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
-                      and self.mesh is None and (backend != "cpu" or cpu_kernel.available()))
-            if self.source.kind == "gguf" and backend == "cpu" and not native and config.dtype == "auto":
+                      and self.mesh is None)
+            if native and backend == "cpu" and not cpu_kernel.available():
                 log.warning("no C++ compiler for the CPU quantized-matmul kernel: running %s in float32 "
                             "(install g++ to run its GGUF blocks natively, about 2x faster)", model)
+                native = False
             quantization = "gguf" if native else "none"
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format, seed=config.seed,

@@ -145,9 +145,6 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             if one:
                 return attend_to(qb, pb, vb, k_seq[0], v_seq[0], key_pos, st)
             first = sb[0]  # padding queries (~vb) may name any sequence: they are masked out
-            branches = [lambda: attend_to(qb, pb, vb, k_seq[first], v_seq[first], key_pos, st),
-                        lambda: attend_to(qb, pb, vb, k_seq[sb], v_seq[sb], key_pos, st)]
-            which = jnp.where(jnp.all((sb == first) | ~vb), 0, 1)
             # Query i of the block is sequence first + i's (a decode step: one token per sequence, in
             # order; any queries past the sequences are padding): their contexts are a slice of k_seq,
             # the whole of it when the block spans every sequence, not a per-query copy. SmolLM2's
@@ -155,15 +152,21 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             # ~300-token context (docs/benchmarks.md, issue 22).
             n = min(block, num_seqs)
 
+            def one_sequence():
+                return attend_to(qb, pb, vb, k_seq[first], v_seq[first], key_pos, st)
+
             def in_order():
                 k = jax.lax.dynamic_slice_in_dim(k_seq, first, n)
                 v = jax.lax.dynamic_slice_in_dim(v_seq, first, n)
                 part = attend_to(qb[:n], pb[:n], vb[:n], k, v, key_pos, tuple(x[:n] for x in st))
                 return tuple(jnp.concatenate([a, x[n:]]) for a, x in zip(part, st))
-            branches.append(in_order)
-            in_order_ok = jnp.all((sb == first + jnp.arange(block)) | ~vb) & (first + n <= num_seqs)
-            which = jnp.where(which == 0, 0, jnp.where(in_order_ok, 2, 1))
-            return jax.lax.switch(which, branches)
+
+            def per_query():
+                return attend_to(qb, pb, vb, k_seq[sb], v_seq[sb], key_pos, st)
+            is_one = jnp.all((sb == first) | ~vb)
+            is_in_order = jnp.all((sb == first + jnp.arange(block)) | ~vb) & (first + n <= num_seqs)
+            return jax.lax.switch(jnp.where(is_one, 0, jnp.where(is_in_order, 1, 2)),
+                                  [one_sequence, in_order, per_query])
         return jax.lax.map(attend, (blocks(qg), blocks(seq), blocks(pos), blocks(valid), state))
 
     shape = (num_blocks, block, num_kv_heads, group)
