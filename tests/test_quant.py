@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from jaxinfer import native
 from jaxinfer.models import layers
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.quant import QArray, check_device_supports, dequantize, quantize, to_device
@@ -195,29 +196,29 @@ def test_cpu_kernel_matches_dequantize_then_matmul(scheme, din, gain):
 def test_cpu_kernel_is_built_once_into_the_user_cache(monkeypatch, tmp_path, caplog):
     """The first use compiles into ``$XDG_CACHE_HOME/jaxinfer/kernels`` (logged); later uses find it."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with caplog.at_level("INFO", logger="jaxinfer.quant.cpu_kernel"):
-        path = cpu_kernel.library_path()
+    with caplog.at_level("INFO", logger="jaxinfer.native"):
+        path = native.library_path(cpu_kernel.SOURCE)
     assert path.startswith(str(tmp_path / "jaxinfer" / "kernels")) and os.path.exists(path)
-    assert any("building the CPU quantized-matmul kernel" in r.getMessage() for r in caplog.records)
+    assert any("building the CPU kernel cpu_qmatmul.cc" in r.getMessage() for r in caplog.records)
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # the temporary file renamed
 
     def no_compile(*args):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(cpu_kernel, "_compile", no_compile)
-    assert cpu_kernel.library_path() == path
+    monkeypatch.setattr(native, "_compile", no_compile)
+    assert native.library_path(cpu_kernel.SOURCE) == path
 
 
 def test_cpu_kernel_compiler_from_the_environment_or_a_clear_error(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(RuntimeError, match=r"\$CXX='/nonexistent/c\+\+' was not found.*quantization='none'"):
-        cpu_kernel.library_path()
+        native.library_path(cpu_kernel.SOURCE)
     monkeypatch.setenv("CXX", "nice -n 19 c++")  # a launcher and its arguments: the command, in order
-    assert cpu_kernel.compiler()[1:] == ["-n", "19", "c++"] and cpu_kernel.compiler()[0].endswith("/nice")
+    assert native.compiler()[1:] == ["-n", "19", "c++"] and native.compiler()[0].endswith("/nice")
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", "")
     with pytest.raises(RuntimeError, match=r"none \(c\+\+, g\+\+\) is on the PATH.*apt-get install g\+\+"):
-        cpu_kernel.library_path()
+        native.library_path(cpu_kernel.SOURCE)
 
 
 def test_int4_reproduces_a_q4_1_grid_and_beats_min_max_rounding():

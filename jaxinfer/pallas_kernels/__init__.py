@@ -11,10 +11,12 @@ biases, q/k head norms), so a family never loses a kernel for having them.
   ``decode_attention_max_seqs`` sequences, which comes with it): ``pallas_gpu``.
 
 Backends: ``reference`` (pure jnp, jaxinfer.paged.attention, with ``Ops.defer_kv_write``: the
-cache is written once after the layer loop, which XLA:CPU keeps in place), ``pallas_gpu`` (Pallas Triton, see
+cache is written once after the layer loop, which XLA:CPU keeps in place), ``cpu`` (the reference,
+with steps of a few tokens through a native kernel that reads the cache in place,
+jaxinfer.paged.cpu_attention), ``pallas_gpu`` (Pallas Triton, see
 gpu.py for why Triton), ``pallas_tpu`` (Pallas Mosaic TPU, untested on hardware), ``interpret`` (the
 TPU kernel in Pallas interpret mode; runs on CPU, slow, for tests), ``auto`` (by
-``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, else reference; a model whose
+``jax.default_backend()``: gpu -> pallas_gpu, tpu -> pallas_tpu, cpu -> cpu, else reference; a model whose
 head_dim the GPU kernels cannot take, Phi-3's 96, gets the reference on a GPU).
 Outside this switch: ``qmatvec`` (the quantized weights' matvec for decode on GPUs), which
 ``jaxinfer.quant.qlinear`` calls by itself for a few tokens on a GPU.
@@ -32,7 +34,7 @@ import jax
 
 from jaxinfer.paged.attention import ragged_paged_attention as reference_attention
 
-BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret")
+BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "interpret")
 
 
 def get_kernels(backend: str = "auto", head_dim: int | None = None,
@@ -43,7 +45,7 @@ def get_kernels(backend: str = "auto", head_dim: int | None = None,
         raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     from jaxinfer.pallas_kernels import rope_kv
     if backend == "auto":
-        backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+        backend = {"gpu": "pallas_gpu", "tpu": "pallas_tpu", "cpu": "cpu"}.get(jax.default_backend(), "reference")
         if backend == "pallas_gpu" and head_dim is not None and head_dim not in rope_kv.HEAD_DIMS:
             backend = "reference"
     if kv_quantized and backend in ("pallas_tpu", "interpret"):
@@ -52,6 +54,9 @@ def get_kernels(backend: str = "auto", head_dim: int | None = None,
                          f"attention backend; use attention_backend='reference' or kv_cache_dtype='auto'")
     if backend == "reference":
         return {"attention": reference_attention, "defer_kv_write": True}
+    if backend == "cpu":
+        from jaxinfer.paged import cpu_attention
+        return {"attention": cpu_attention.ragged_paged_attention, "defer_kv_write": True}
     if backend == "pallas_gpu":
         from jaxinfer.pallas_kernels import gpu
         if head_dim is not None:

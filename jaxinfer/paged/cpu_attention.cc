@@ -1,0 +1,165 @@
+// Attention of a step's few query tokens over the paged KV cache, read in place: the CPU path of
+// jaxinfer.paged.cpu_attention (which says why), an XLA FFI custom call.
+//
+// Query token t (sequence seq[t], position pos[t]; pos < 0: padding, zeros out) attends to the
+// positions p' <= pos[t] (and > pos[t] - window) of its sequence: those below cached[t] from the
+// cache (layer `layer`, through the page table), the others from this step's new K/V rows
+// first_row[t] + (p' - cached[t]) (the cache is written after the layer loop: Ops.defer_kv_write).
+// One work item per (token, kv head): its query heads' scores against each key row (read once for
+// all of them), a softmax, then the value rows weighed by it; float32 throughout.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Problem {
+  const float *q, *new_k, *new_v, *k_cache, *v_cache;
+  const int32_t *page_table, *seq, *pos, *cached, *first_row;
+  float* out;
+  int64_t heads, kv_heads, head_dim, page_size, pages_per_seq, layer_stride, window;
+  float scale, soft_cap;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float s = _mm512_reduce_add_ps(acc);
+#else
+  float s = 0.0f;
+  int64_t i = 0;
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// Token t, kv head h: the output rows of its group's query heads.
+void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores) {
+  const int64_t D = P.head_dim, G = P.heads / P.kv_heads;
+  float* out = P.out + (t * P.heads + h * G) * D;
+  std::fill(out, out + G * D, 0.0f);
+  const int64_t p = P.pos[t];
+  if (p < 0) return;
+  const int64_t lo = std::max<int64_t>(0, p - P.window + 1), n = p + 1 - lo;
+  const int64_t cached = P.cached[t];
+  const int32_t* pages = P.page_table + int64_t(P.seq[t]) * P.pages_per_seq;
+  const int64_t row = P.kv_heads * D;  // floats per cached position (one page's row)
+  auto key = [&](int64_t at, const float* cache, const float* fresh) -> const float* {
+    if (at < cached)
+      return cache + P.layer_stride + (int64_t(pages[at / P.page_size]) * P.page_size + at % P.page_size) * row + h * D;
+    return fresh + ((P.first_row[t] + at - cached) * P.kv_heads + h) * D;
+  };
+  scores.resize(G * n);
+  const float* q = P.q + (t * P.heads + h * G) * D;
+  std::vector<float> best(G, -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = key(lo + j, P.k_cache, P.new_k);
+    for (int64_t g = 0; g < G; ++g) {
+      float s = dot(q + g * D, k, D) * P.scale;
+      if (P.soft_cap > 0) s = P.soft_cap * std::tanh(s / P.soft_cap);
+      scores[g * n + j] = s;
+      best[g] = std::max(best[g], s);
+    }
+  }
+  std::vector<float> total(G, 0.0f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < n; ++j) total[g] += scores[g * n + j] = std::exp(scores[g * n + j] - best[g]);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = key(lo + j, P.v_cache, P.new_v);
+    for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + j], v, out + g * D, D);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] /= total[g];
+}
+
+struct Job {
+  Problem P;
+  int64_t items;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    thread_local std::vector<float> scores;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      attend(P, i / P.kv_heads, i % P.kv_heads, scores);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> new_k,
+                      ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> seq,
+                      ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> cached, ffi::Buffer<ffi::S32> first_row,
+                      ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out, float scale, float soft_cap) {
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), pd = page_table.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || pd.size() != 2 || cd[4] != qd[2] || qd[1] % cd[3])
+    return ffi::Error::InvalidArgument("q [T, H, D], caches [layers, pages, page_size, kv_heads, D], page_table [S, P]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  auto job = std::make_shared<Job>();
+  job->P = Problem{q.typed_data(), new_k.typed_data(), new_v.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
+                   page_table.typed_data(), seq.typed_data(), pos.typed_data(), cached.typed_data(),
+                   first_row.typed_data(), out->typed_data(), qd[1], cd[3], qd[2], cd[2], pd[1],
+                   l * cd[1] * cd[2] * cd[3] * cd[4], window.typed_data()[0], scale, soft_cap};
+  job->items = qd[0] * cd[3];
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t i = 1; i < std::min(workers, job->items); ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->items; ++spins) {
+    if (spins < 4096) {
+#if defined(__SSE2__)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuAttention, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new_v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cached
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // first_row
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));
