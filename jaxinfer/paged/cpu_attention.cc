@@ -59,6 +59,31 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += w * x[i];
 }
 
+// exp of n floats in place. AVX512: 2^k * p(r), x = k ln2 + r, |r| <= ln2 / 2, p Cephes' expf
+// polynomial (within 2 ulp of the true value, as XLA's own exp; the reference's exp is XLA's).
+void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_hi = _mm512_set1_ps(0.693359375f),
+               ln2_lo = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-87.3f);
+  const __m512 c[6] = {_mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f),
+                       _mm512_set1_ps(8.3334519073e-3f), _mm512_set1_ps(4.1665795894e-2f),
+                       _mm512_set1_ps(1.6666665459e-1f), _mm512_set1_ps(5.0000001201e-1f)};
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + i), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 p = c[0];
+    for (int j = 1; j < 6; ++j) p = _mm512_fmadd_ps(p, r, c[j]);
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, one));
+    _mm512_storeu_ps(x + i, _mm512_scalef_ps(p, k));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
 // Token t, kv head h: the output rows of its group's query heads.
 void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores) {
   const int64_t D = P.head_dim, G = P.heads / P.kv_heads;
@@ -77,25 +102,26 @@ void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores) 
   };
   scores.resize(G * n);
   const float* q = P.q + (t * P.heads + h * G) * D;
-  std::vector<float> best(G, -std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; ++j) {
     const float* k = key(lo + j, P.k_cache, P.new_k);
-    for (int64_t g = 0; g < G; ++g) {
-      float s = dot(q + g * D, k, D) * P.scale;
-      if (P.soft_cap > 0) s = P.soft_cap * std::tanh(s / P.soft_cap);
-      scores[g * n + j] = s;
-      best[g] = std::max(best[g], s);
-    }
+    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * P.scale;
   }
-  std::vector<float> total(G, 0.0f);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < n; ++j) total[g] += scores[g * n + j] = std::exp(scores[g * n + j] - best[g]);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    if (P.soft_cap > 0)
+      for (int64_t j = 0; j < n; ++j) s[j] = P.soft_cap * std::tanh(s[j] / P.soft_cap);
+    const float best = *std::max_element(s, s + n);
+    for (int64_t j = 0; j < n; ++j) s[j] -= best;
+    exp_inplace(s, n);
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) total += s[j];
+    const float inv = 1.0f / total;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;  // normalized here: the output is a weighted sum
+  }
   for (int64_t j = 0; j < n; ++j) {
     const float* v = key(lo + j, P.v_cache, P.new_v);
     for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + j], v, out + g * D, D);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] /= total[g];
 }
 
 struct Job {
