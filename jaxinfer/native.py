@@ -9,6 +9,7 @@ matmuls) and ``paged.cpu_attention`` (attention over the paged cache).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -64,16 +65,54 @@ def _cpu() -> str:
         return platform.processor()
 
 
+_building: dict[str, concurrent.futures.Future] = {}  # by library path: builds under way in this process
+_building_lock = threading.Lock()
+
+
 def library_path(source: Path) -> str:
-    """``source``'s shared library, compiled into the user cache unless already there."""
+    """``source``'s shared library, compiled into the user cache unless already there (or waited for,
+    if another thread of this process is compiling it)."""
     cxx = compiler()
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, os.path.realpath(cxx[0]), *cxx[1:], version,
                                     _cpu(), jax.__version__]).encode()).hexdigest()[:16]
     path = os.path.join(user_cache_dir("kernels"), f"{source.stem}-{key}.so")
-    if not os.path.exists(path):
+    if os.path.exists(path):
+        return path
+    with _building_lock:
+        building = _building.get(path)
+        if building is None:
+            building = _building[path] = concurrent.futures.Future()
+            owner = True
+        else:
+            owner = False
+    if not owner:
+        return building.result()
+    try:
         _compile(cxx, path, source)
+        building.set_result(path)
+    except BaseException as e:
+        building.set_exception(e)
+        raise
+    finally:
+        with _building_lock:
+            del _building[path]
     return path
+
+
+def prebuild(*sources: Path) -> None:
+    """Start compiling ``sources`` in the background (seconds each; a first start on CPU built them one
+    after the other inside warm-up): the engine calls it before loading the weights, so the builds
+    overlap the load and each other. A failure is left for the call that needs the library to report."""
+    def build(source):
+        try:
+            library_path(source)
+        except Exception:  # noqa: BLE001 - raised again, with its message, where the library is needed
+            log.debug("background build of %s failed", source, exc_info=True)
+
+    if available():
+        for source in sources:
+            threading.Thread(target=build, args=(source,), name=f"build-{source.stem}", daemon=True).start()
 
 
 def _compile(cxx: list[str], path: str, source: Path) -> None:

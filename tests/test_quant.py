@@ -9,6 +9,8 @@
 
 import dataclasses
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +209,25 @@ def test_cpu_kernel_is_built_once_into_the_user_cache(monkeypatch, tmp_path, cap
 
     monkeypatch.setattr(native, "_compile", no_compile)
     assert native.library_path(cpu_kernel.SOURCE) == path
+
+
+def test_native_kernels_build_in_the_background_once(monkeypatch, tmp_path):
+    """``native.prebuild`` compiles in a thread; a caller needing the library meanwhile waits for that
+    build instead of compiling it again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    started, calls, real = threading.Event(), [], native._compile
+
+    def slow_compile(cxx, path, source):
+        calls.append(source)
+        started.set()
+        time.sleep(0.5)
+        real(cxx, path, source)
+
+    monkeypatch.setattr(native, "_compile", slow_compile)
+    native.prebuild(cpu_kernel.SOURCE)
+    assert started.wait(60)
+    path = native.library_path(cpu_kernel.SOURCE)
+    assert os.path.exists(path) and calls == [cpu_kernel.SOURCE]
 
 
 def test_cpu_kernel_compiler_from_the_environment_or_a_clear_error(monkeypatch):

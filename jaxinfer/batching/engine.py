@@ -24,10 +24,12 @@ from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.sequence import SAMPLED, Sequence, Status
 from jaxinfer.batching.speculative import (DraftProposer, NgramProposer, Proposer, check_draft, default_ngram_min,
                                            default_overlap)
+from jaxinfer import native
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model
 from jaxinfer.models.spec import cpu_matmul_layout
+from jaxinfer.paged import cpu_attention
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 from jaxinfer.pallas_kernels import get_kernels
@@ -124,13 +126,16 @@ class LLMEngine:
             # arithmetic (docs/benchmarks.md, issue 25); without one, float32 (XLA alone decodes the
             # blocks into a float copy every step, 2.5-4x slower). Not over a mesh (EngineConfig
             # refuses an explicit quantization there).
-            native = (self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
-                      and self.mesh is None)
-            if native and backend == "cpu" and not cpu_kernel.available():
+            in_blocks = (self.source.kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
+                         and self.mesh is None)
+            if in_blocks and backend == "cpu" and not cpu_kernel.available():
                 log.warning("no C++ compiler for the CPU quantized-matmul kernel: running %s in float32 "
                             "(install g++ to run its GGUF blocks natively, about 2x faster)", model)
-                native = False
-            quantization = "gguf" if native else "none"
+                in_blocks = False
+            quantization = "gguf" if in_blocks else "none"
+        if backend == "cpu" and self.mesh is None:  # the native kernels this engine will call, built meanwhile
+            native.prebuild(*([cpu_attention.SOURCE] if config.attention_backend in ("auto", "cpu") else []),
+                            *([cpu_kernel.SOURCE] if quantization != "none" else []))
         t0 = time.perf_counter()
         self.model_config, weights = load_model(model, dtype=dtype, load_format=config.load_format, seed=config.seed,
                                                 layer_loop=layer_loop, mesh=self.mesh, quantization=quantization)
