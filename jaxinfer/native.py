@@ -30,6 +30,7 @@ from jaxinfer.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+HEADERS = (Path(__file__).with_name("native_pool.h"),)  # included by the sources: part of each build's key
 
 
 def compiler() -> list[str]:
@@ -74,8 +75,9 @@ def library_path(source: Path) -> str:
     if another thread of this process is compiling it)."""
     cxx = compiler()
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, os.path.realpath(cxx[0]), *cxx[1:], version,
-                                    _cpu(), jax.__version__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), *(h.read_text() for h in HEADERS), *FLAGS,
+                                    os.path.realpath(cxx[0]), *cxx[1:], version, _cpu(),
+                                    jax.__version__]).encode()).hexdigest()[:16]
     path = os.path.join(user_cache_dir("kernels"), f"{source.stem}-{key}.so")
     if os.path.exists(path):
         return path
@@ -121,7 +123,7 @@ def _compile(cxx: list[str], path: str, source: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADERS[0].parent}", str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CPU kernel {source.name} failed ({' '.join(cmd)}):\n{done.stderr}")

@@ -9,19 +9,11 @@
 // all of them), a softmax, then the value rows weighed by it; float32 throughout.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
+#include "native_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -124,20 +116,6 @@ void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores) 
   }
 }
 
-struct Job {
-  Problem P;
-  int64_t items;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void work() {
-    thread_local std::vector<float> scores;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      attend(P, i / P.kv_heads, i % P.kv_heads, scores);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> new_k,
                       ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> seq,
@@ -148,24 +126,14 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
     return ffi::Error::InvalidArgument("q [T, H, D], caches [layers, pages, page_size, kv_heads, D], page_table [S, P]");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
-  auto job = std::make_shared<Job>();
-  job->P = Problem{q.typed_data(), new_k.typed_data(), new_v.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
-                   page_table.typed_data(), seq.typed_data(), pos.typed_data(), cached.typed_data(),
-                   first_row.typed_data(), out->typed_data(), qd[1], cd[3], qd[2], cd[2], pd[1],
-                   l * cd[1] * cd[2] * cd[3] * cd[4], window.typed_data()[0], scale, soft_cap};
-  job->items = qd[0] * cd[3];
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t i = 1; i < std::min(workers, job->items); ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->items; ++spins) {
-    if (spins < 4096) {
-#if defined(__SSE2__)
-      _mm_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  const Problem P{q.typed_data(), new_k.typed_data(), new_v.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
+                  page_table.typed_data(), seq.typed_data(), pos.typed_data(), cached.typed_data(),
+                  first_row.typed_data(), out->typed_data(), qd[1], cd[3], qd[2], cd[2], pd[1],
+                  l * cd[1] * cd[2] * cd[3] * cd[4], window.typed_data()[0], scale, soft_cap};
+  jaxinfer::parallel_for(pool, 0, qd[0] * cd[3], [&P](int64_t i) {
+    thread_local std::vector<float> scores;
+    attend(P, i / P.kv_heads, i % P.kv_heads, scores);
+  });
   return ffi::Error::Success();
 }
 

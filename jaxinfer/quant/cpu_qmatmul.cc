@@ -16,17 +16,15 @@
 // buffer for all tokens was 1.6-1.9x slower at 5-64 tokens, so it was dropped.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__SSE2__)  // x86: the intrinsics of whatever -march=native enables
 #include <immintrin.h>
 #endif
 
+#include "native_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -282,28 +280,6 @@ void rows_of(const Weights& w, const float* x, int64_t tokens, float* y, int64_t
   }
 }
 
-// One call's work, shared by the caller and the pool's tasks: whoever takes a chunk computes it,
-// so tasks the pool starts late (or never) only find the counter spent.
-struct Job {
-  Weights w;
-  const float* x;
-  float* y;
-  int64_t tokens, chunk_rows, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void work() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      const int64_t begin = c * chunk_rows, end = std::min(w.out, begin + chunk_rows);
-      if (w.four_bit()) {
-        rows_of<true>(w, x, tokens, y, begin, end);
-      } else {
-        rows_of<false>(w, x, tokens, y, begin, end);
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 bool is_float(ffi::DataType t) { return t == ffi::DataType::F16 || t == ffi::DataType::F32; }
 
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
@@ -330,24 +306,16 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   // About 4 chunks per worker (balance when one is late), whole row tiles, at least 16 rows.
   int64_t chunk = (w.out + 4 * workers - 1) / (4 * workers);
   chunk = std::max<int64_t>(16, (chunk + kRowTile - 1) / kRowTile * kRowTile);
-  auto job = std::make_shared<Job>();
-  job->w = w;
-  job->x = x.typed_data();
-  job->y = y->typed_data();
-  job->tokens = tokens;
-  job->chunk_rows = chunk;
-  job->chunks = (w.out + chunk - 1) / chunk;
-  for (int64_t i = 1; i < std::min(workers, job->chunks); ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->chunks; ++spins) {
-    if (spins < 4096) {
-#if defined(__SSE2__)
-      _mm_pause();
-#endif
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  jaxinfer::parallel_for(pool, workers, (w.out + chunk - 1) / chunk, [=](int64_t c) {
+    const int64_t begin = c * chunk, end = std::min(w.out, begin + chunk);
+    if (w.four_bit()) {
+      rows_of<true>(w, xp, tokens, yp, begin, end);
     } else {
-      std::this_thread::yield();
+      rows_of<false>(w, xp, tokens, yp, begin, end);
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
