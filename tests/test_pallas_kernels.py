@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.paged import cpu_attention
 from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.models.config import PRESETS
@@ -328,12 +329,13 @@ def test_get_kernels():
         assert callable(kernels["attention"]) and set(kernels) <= {f.name for f in dataclasses.fields(Ops)}
     assert get_kernels("pallas_gpu")["rope_write_kv"] is rope_kv.rope_write_kv
     assert get_kernels("pallas_gpu")["decode_attention"] is gpu.rope_decode_attention
-    if jax.default_backend() == "cpu":
-        assert get_kernels("auto") == reference_ops
+    if jax.default_backend() == "cpu":  # the reference, with few-token steps through the native kernel
+        cpu_ops = {"attention": cpu_attention.ragged_paged_attention, "defer_kv_write": True}
+        assert get_kernels("auto") == get_kernels("cpu") == get_kernels("auto", head_dim=96) == cpu_ops
     with pytest.raises(ValueError, match="pallas_gpu"):
         get_kernels("cuda")
-    # Phi-3's head_dim 96: "auto" falls back to the reference; asking for the GPU kernels is an error.
-    if not ON_TPU:
+    # Phi-3's head_dim 96: "auto" on a GPU falls back to the reference; asking for the GPU kernels is an error.
+    if jax.default_backend() == "gpu":
         assert get_kernels("auto", head_dim=96) == reference_ops
     assert get_kernels("pallas_gpu", head_dim=256)["rope_write_kv"] is rope_kv.rope_write_kv
     with pytest.raises(ValueError, match="head_dim 96 is not supported by the pallas_gpu kernels"):

@@ -87,8 +87,11 @@ def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
             y = jax.lax.dot_general(xq.astype(jnp.float32), w.values.astype(jnp.float32), dims,
                                     preferred_element_type=jnp.float32)
         else:
-            y = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=jnp.float32)
-        return (y * xs * w.scales[:, 0].astype(jnp.float32)).astype(out_dtype)
+            # The dot's output in the activations' dtype: a float32 one (235 MB at 2,048 tokens of
+            # llama3-8b's gate/up) was read twice by the scale, activation and requantization fusions
+            # after it; the H200's mixed step went 38.0 -> 35.8 ms (docs/benchmarks.md, issue 25).
+            y = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=out_dtype)
+        return (y.astype(jnp.float32) * xs * w.scales[:, 0].astype(jnp.float32)).astype(out_dtype)
     if per_row:
         y = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, precision=_precision(x.dtype),
                                 preferred_element_type=jnp.float32)
