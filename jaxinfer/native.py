@@ -144,7 +144,8 @@ def _load(source: Path, targets: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
     return lib
 
 
-def register(source: Path, **targets: str) -> None:
-    """Build ``source`` if needed and register its handlers with XLA: ``target=symbol`` pairs."""
+def register(source: Path, **targets: str) -> ctypes.CDLL:
+    """Build ``source`` if needed and register its handlers with XLA (``target=symbol`` pairs); the
+    loaded library."""
     with _lock:
-        _load(source, tuple(sorted(targets.items())))
+        return _load(source, tuple(sorted(targets.items())))

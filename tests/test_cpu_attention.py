@@ -15,6 +15,12 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_attent
                                 reason="the kernel is the CPU backend's (with a C++ compiler)")
 
 
+@pytest.fixture(autouse=True)
+def vector_build():
+    if not cpu_attention.vectorized():
+        pytest.skip("this CPU's build of the kernel has no vector paths, so the reference runs instead")
+
+
 def ragged_case(seed, seqs, *, tokens, page_size=16, kv_heads=3, group=3, head_dim=64, pages_per_seq=8,
                 num_seqs=None, layers=3):
     """``seqs``: (tokens already cached, tokens this step) per sequence, packed in order and padded

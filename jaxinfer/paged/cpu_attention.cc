@@ -13,6 +13,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "native_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -29,14 +33,18 @@ struct Problem {
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float s = _mm512_reduce_add_ps(acc);
-#else
   float s = 0.0f;
   int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  s = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
@@ -47,30 +55,46 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 #if defined(__AVX512F__)
   const __m512 wv = _mm512_set1_ps(w);
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += w * x[i];
 }
 
-// exp of n floats in place. AVX512: 2^k * p(r), x = k ln2 + r, |r| <= ln2 / 2, p Cephes' expf
-// polynomial (within 2 ulp of the true value, as XLA's own exp; the reference's exp is XLA's).
+// exp of n floats <= 0 in place: 2^k * p(r), x = k ln2 + r, |r| <= ln2 / 2, p Cephes' expf polynomial
+// (within 2 ulp of the true value, as XLA's own exp, which the reference uses). Arguments below -87.3
+// (probabilities under 1e-38 of the row's largest) are taken as -87.3.
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 void exp_inplace(float* x, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_hi = _mm512_set1_ps(0.693359375f),
-               ln2_lo = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-87.3f);
-  const __m512 c[6] = {_mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f),
-                       _mm512_set1_ps(8.3334519073e-3f), _mm512_set1_ps(4.1665795894e-2f),
-                       _mm512_set1_ps(1.6666665459e-1f), _mm512_set1_ps(5.0000001201e-1f)};
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + i), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
-    r = _mm512_fnmadd_ps(k, ln2_lo, r);
-    __m512 p = c[0];
-    for (int j = 1; j < 6; ++j) p = _mm512_fmadd_ps(p, r, c[j]);
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, one));
+    const __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(-87.3f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int j = 1; j < 6; ++j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[j]));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     _mm512_storeu_ps(x + i, _mm512_scalef_ps(p, k));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(-87.3f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int j = 1; j < 6; ++j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[j]));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // 2^k for k in [-126, 0]: k + 127 in the exponent field
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
   }
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i]);
@@ -157,3 +181,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuAttention, DecodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap"));
+
+// Whether this build has the vector paths (AVX2 + FMA or AVX512): the portable scalar one ran the
+// 8-sequence case slower than the reference, which cpu_attention.py then keeps.
+extern "C" int JaxinferCpuAttentionVectorized() {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  return 1;
+#else
+  return 0;
+#endif
+}
