@@ -41,7 +41,8 @@ def compiler() -> list[str]:
     found = shutil.which(cmd[0]) if cmd and cmd[0] else None
     if not found:
         raise RuntimeError(
-            f"quantized weights on CPU need a C++17 compiler to build jaxinfer's matmul kernel once, and "
+            f"jaxinfer's native CPU kernels (the quantized matmul, the attention) need a C++17 compiler to "
+            f"build them once, and "
             f"{'$CXX=' + repr(cxx) + ' was not found' if cxx else 'none (c++, g++) is on the PATH'}: install one "
             f"(e.g. `apt-get install g++`) or set $CXX, or load the model in float "
             f"(quantization='none')")
