@@ -64,6 +64,8 @@ flags.DEFINE_integer("cpu_threads", 2, "cpu: threads the peers may use (this mac
 flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache "
                    "(the engine option; quantized weights on an H200 need 0.5 until the OOM noted in "
                    "docs/benchmarks.md's issue-25 section is fixed).")
+flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps one dispatch runs for a batch of decodes (the "
+                     "engine option; default: the engine's, 4 on CPU and 1 elsewhere).")
 flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
 F = flags.FLAGS
 
@@ -75,7 +77,8 @@ log = logging.getLogger("benchmark")
 def make_llm(**options):
     from jaxinfer import LLM
     return LLM(F.model, **model_flags.load_options(), **model_flags.parallel_options(),
-               kv_cache_memory_fraction=F.kv_cache_memory_fraction, **options)
+               kv_cache_memory_fraction=F.kv_cache_memory_fraction, num_scheduler_steps=F.num_scheduler_steps,
+               **options)
 
 
 def random_prompts(rng, n, lengths, vocab):
@@ -504,7 +507,8 @@ def cpu(results):
     cache_home = tempfile.mkdtemp(prefix="jaxinfer-cache-")  # empty: the first start-up is a cold one
     cold, warm = start_up(cache_home), start_up(cache_home)
     cache_dir = os.path.join(cache_home, "jaxinfer", "xla")
-    llm = LLM(F.model, dtype=F.dtype, quantization=F.quantization, compilation_cache_dir=cache_dir, **CPU_OPTS)
+    llm = LLM(F.model, dtype=F.dtype, quantization=F.quantization, compilation_cache_dir=cache_dir,
+              num_scheduler_steps=F.num_scheduler_steps, **CPU_OPTS)
     warmup_s = llm.warmup()
     compiled = llm.engine.num_compilations
     prompts = license_prompts(llm.tokenizer, 8, 128)

@@ -38,6 +38,8 @@ flags.DEFINE_integer("ngram_max", 4, "Longest n-gram the ngram proposer matches 
 flags.DEFINE_integer("speculative_max_num_seqs", 16, "Speculation pauses while more sequences than this run.")
 flags.DEFINE_boolean("speculative_overlap", None, "Keep verifying steps in flight while the next is proposed and "
                      "dispatched (default: the engine's, on with ngram except on CPU).")
+flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps one dispatch runs for a batch of decodes (default: "
+                     "the engine's, 4 on CPU and 1 elsewhere); tokens then stream in runs of this many.")
 F = flags.FLAGS
 
 # The flags that pass through unchanged to scripts/serve.py when a benchmark launches it.
@@ -45,7 +47,7 @@ NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "com
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
          "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
          "speculative_method", "speculative_model", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs",
-         "speculative_overlap")
+         "speculative_overlap", "num_scheduler_steps")
 
 
 def buckets(values: list[str] | None) -> tuple[int, ...] | None:
@@ -65,6 +67,7 @@ def engine_config():
         page_buckets=buckets(F.page_buckets), speculative_method=F.speculative_method,
         speculative_model=F.speculative_model, num_speculative_tokens=F.num_speculative_tokens, ngram_min=F.ngram_min, ngram_max=F.ngram_max,
         speculative_max_num_seqs=F.speculative_max_num_seqs, speculative_overlap=F.speculative_overlap,
+        num_scheduler_steps=F.num_scheduler_steps,
         **model_flags.load_options(),
         **model_flags.parallel_options())
 

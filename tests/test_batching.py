@@ -85,7 +85,7 @@ def test_scheduling_paths_match_alone(model, path):
     opts = PATHS[path]
     llm = LLM(model, **{**BASE, **opts})
     ps = make_prompts(0, 10)
-    arrivals = [(3 * i, p) for i, p in enumerate(ps)]
+    arrivals = [(i, p) for i, p in enumerate(ps)]
     done = drive(llm.engine, arrivals)
     for i, p in enumerate(ps):
         assert done[f"r{i}"].token_ids == run_alone(model, tuple(p)), f"request {i} diverged"
@@ -292,3 +292,38 @@ def test_prefill_trimmed_to_the_smaller_bucket(prompt_len, buckets, want):
         s.inflight.append(-1)  # SAMPLED: its next token is in flight
     if want[-1] < prompt_len:
         assert sched.schedule().num_tokens[-1] == 1  # still trimmed while the decodes fill bucket 8
+
+
+def test_multi_step_decode_matches_single_steps():
+    """``num_scheduler_steps=4`` (the CPU default) decodes 4 tokens per dispatch and gives every
+    request the tokens of single steps: greedy and seeded sampling, ``max_tokens`` that are no
+    multiple of 4, a stop token met inside a run (the rest of the run dropped), a logprobs request
+    (single steps while it runs), staggered arrivals, preemption by a small pool and an abort; no
+    pages leak. The oracle is the same engine with ``num_scheduler_steps=1``."""
+    ps = make_prompts(12, 8, 3, 60)
+    single = LLM("tiny-llama3", **{**BASE, "num_scheduler_steps": 1})
+    free = single.generate([ps[0]], greedy(20))[0].token_ids
+    stop = free[6]  # met inside the second 4-token run
+    params = [SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop,))] + [
+        greedy(n) for n in (5, 13, 20)] + [
+        SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, seed=5 + i, ignore_eos=True) for i in range(2)] + [
+        SamplingParams(max_tokens=15, temperature=0.0, logprobs=2, ignore_eos=True), greedy(11)]
+    arrivals = [(i, p) for i, p in enumerate(ps)]
+    want = drive(single.engine, arrivals, params)
+    assert single.engine.runner.num_steps == single.engine.stats()["steps"]
+    assert want["r0"].finish_reason == "stop" and want["r0"].token_ids == free[:free.index(stop)]
+    for pool in (128, 16):
+        multi = LLM("tiny-llama3", **{**BASE, "num_scheduler_steps": 4, "num_pages": pool})
+        done = drive(multi.engine, arrivals, params, aborts=[("r7", 9)])
+        stats = multi.engine.stats()
+        runs = (stats["steps"] - multi.engine.runner.num_steps) // 3  # each counts 4 steps, 1 dispatch
+        assert runs >= (3 if pool == 128 else 1), f"{runs} dispatches ran 4 decode steps"
+        assert (stats["preemptions"] > 0) == (pool == 16)
+        for i in range(7):
+            got, ref = done[f"r{i}"], want[f"r{i}"]
+            assert (got.token_ids, got.finish_reason) == (ref.token_ids, ref.finish_reason), f"request {i}"
+            if ref.logprobs is not None:  # the same entries; values within float32 rounding of other step shapes
+                assert [d.keys() for d in got.logprobs] == [d.keys() for d in ref.logprobs]
+                np.testing.assert_allclose([v for d in got.logprobs for v in d.values()],
+                                           [v for d in ref.logprobs for v in d.values()], rtol=0, atol=1e-5)
+        assert_no_leak(multi.engine)

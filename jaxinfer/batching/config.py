@@ -69,6 +69,11 @@ class EngineConfig:
       ``speculative_overlap``: whether a step that verifies proposals stays in flight while the next is
       proposed and dispatched (``LLMEngine.step``); ``None``: on with the ``ngram`` proposer except on
       CPU (``batching.speculative.default_overlap`` says why).
+    - ``num_scheduler_steps`` (vLLM's multi-step scheduling): a batch in which every sequence decodes
+      runs this many steps in one dispatch, the tokens streaming in runs of as many; ``None``: 4 on
+      CPU, 1 elsewhere (``batching.engine.default_scheduler_steps`` says why). Runs one step at a time
+      while a request waits to be admitted, a prefill is in the batch, or penalties, speculation or
+      structured outputs are on; tokens past a stop within a run are computed and dropped.
     """
 
     page_size: int = 16
@@ -104,6 +109,7 @@ class EngineConfig:
     ngram_max: int = 4
     speculative_max_num_seqs: int = 16
     speculative_overlap: bool | None = None
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
@@ -122,7 +128,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel > 1 or data_parallel > 1 "
                              f"is not supported yet; use kv_cache_dtype='auto'")
         _check_speculative(self)
-        for name in ("num_pages", "prefill_chunk_size", "max_model_len"):
+        for name in ("num_pages", "prefill_chunk_size", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0 < self.kv_cache_memory_fraction <= 1:

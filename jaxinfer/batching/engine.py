@@ -67,6 +67,15 @@ class _Tracker:
     emitted_tokens: int = 0
 
 
+def default_scheduler_steps(backend: str) -> int:
+    """Decode steps one dispatch runs by default (``EngineConfig.num_scheduler_steps``). 4 on CPU:
+    the host's work per dispatch (~1 ms on the 2-core box) took the cores from a SmolLM2 batch-1
+    step of ~7.5 ms, and 4 steps per dispatch took batch-1 decode from 0.88x to 1.06x llama.cpp's
+    (docs/benchmarks.md, issue 22); more than 4 saved little more and streams coarser. 1 elsewhere:
+    an accelerator's steps are dispatched ahead of the device, which hides the host's work."""
+    return 4 if backend == "cpu" else 1
+
+
 def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
     """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``.
 
@@ -177,8 +186,11 @@ class LLMEngine:
         ops = Ops(**get_kernels(config.attention_backend, mc.head_dim, config.kv_cache_dtype != "auto"))
         if self.mesh is not None:
             ops = sharding.sharded_ops(ops, mc, self.mesh)
+        steps = config.num_scheduler_steps or (1 if multihost.active() else default_scheduler_steps(backend))
+        if steps > 1 and multihost.active():
+            raise ValueError(f"num_scheduler_steps must be 1 over several processes, got {steps}")
         self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh,
-                                  max_executables=config.max_executables)
+                                  max_executables=config.max_executables, num_scheduler_steps=steps)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.prefill_chunk_size or budget,
@@ -343,7 +355,8 @@ class LLMEngine:
         else:
             if batch.seqs:
                 k = self.config.num_speculative_tokens if any(s.draft_token_ids for s in batch.seqs) else 0
-                self._inflight = (batch, self.runner.run(batch, k), self._dispatched(batch))
+                steps = self._num_steps(batch)
+                self._inflight = (batch, self.runner.run(batch, k, steps), self._dispatched(batch, steps))
                 self.counters["spec_steps"] += bool(k)
             if speculate:
                 for seq in self.scheduler.running:  # proposals of sequences the budget left out of this step
@@ -353,6 +366,24 @@ class LLMEngine:
             outputs += self._read(*inflight)
         self.counters["host_time"] += host
         return outputs
+
+    def _num_steps(self, batch) -> int:
+        """How many decode steps ``batch`` runs in one dispatch: ``num_scheduler_steps`` where every
+        sequence decodes (one token) without penalties, has room for that many tokens within
+        ``max_model_len``, and the pool has their pages (``Scheduler.reserve``), while no request
+        waits to be admitted (it would wait for all of them) and nothing speculates or is
+        constrained; else one. Tokens past a request's end (EOS, a stop, ``max_tokens``) within the
+        run are computed and dropped: waiting for the request nearest its ``max_tokens`` instead
+        would run most steps of a batch one at a time."""
+        n, s = self.runner.num_scheduler_steps, self.scheduler
+        if n == 1 or s.waiting or s.preempted or self.proposer is not None or self._matchers:
+            return 1
+        for seq, k in zip(batch.seqs, batch.num_tokens):
+            p = seq.params
+            if (k != 1 or seq.num_remaining != 1 or p.presence_penalty or p.frequency_penalty
+                    or seq.num_tokens + n > self.max_model_len):
+                return 1
+        return n if s.reserve(batch, n) else 1
 
     def _speculate_now(self) -> bool:
         """Whether this step speculates: not above ``speculative_max_num_seqs`` running sequences, where
@@ -395,9 +426,10 @@ class LLMEngine:
             seq.committed_pages, seq.committed_key = self.blocks.commit(
                 seq.page_table, seq.token_ids, known, seq.committed_pages, seq.committed_key)
 
-    def _dispatched(self, batch) -> list[int]:
+    def _dispatched(self, batch, steps: int = 1) -> list[int]:
         """Advance host state as if the step had run and accepted every proposal (``Sequence.inflight``);
-        returns the rows that sample a token.
+        returns the rows that sample a token (``steps`` tokens each where it runs that many decode
+        steps: ``_num_steps``).
 
         A sequence is held (not scheduled until this step is read) when these tokens would end it, or
         when it verifies proposals after a verification that rejected one: with
@@ -409,19 +441,19 @@ class LLMEngine:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             self.counters["computed_prompt_tokens"] += max(0, min(n, len(seq.prompt_token_ids)
                                                                   - seq.num_computed_tokens))
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n + steps - 1
             self._commit(seq)
             proposed = seq.draft_token_ids
-            if seq.num_computed_tokens < seq.num_tokens + len(proposed):
+            if seq.num_computed_tokens < seq.num_tokens + len(proposed) + steps - 1:
                 continue  # a prefill chunk that is not the last: nothing sampled
-            seq.inflight += proposed + [SAMPLED]
+            seq.inflight += proposed + [SAMPLED] * steps
             seq.draft_token_ids = []
             seq.pending_row, seq.pending_step = i, self.runner.num_steps - 1
             seq.held = (len(seq.output_token_ids) + len(seq.inflight) >= seq.params.max_tokens
                         or seq.num_tokens >= self.max_model_len or (bool(proposed) and seq.rejected))
             sampled.append(i)
-        self.counters["steps"] += 1
-        self.counters["step_tokens"] += sum(batch.num_tokens)
+        self.counters["steps"] += steps
+        self.counters["step_tokens"] += sum(batch.num_tokens) * steps
         return sampled
 
     @staticmethod
@@ -472,9 +504,10 @@ class LLMEngine:
             seq = batch.seqs[i]
             if seq.status is Status.FINISHED:
                 continue  # finished or aborted after this step was dispatched
-            self._take(seq, 1)
-            new = [int(tokens[i])]
-            tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i:i + 1])
+            several = tokens.ndim == 2  # several decode steps: [S, steps]
+            new = tokens[i].tolist() if several else [int(tokens[i])]
+            self._take(seq, len(new))
+            tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i] if several else np.s_[i:i + 1])
             outputs.append(self._append_tokens(seq, new, tops, seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs

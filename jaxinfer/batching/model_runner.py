@@ -176,8 +176,9 @@ def _as_last_tokens(tokens: jax.Array, prev_tokens: jax.Array) -> jax.Array:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: Weights, cache: KVCache, buckets: Buckets,
-                 ops: Ops, max_logprobs: int = 20, mesh=None, max_executables: int = 256):
+                 ops: Ops, max_logprobs: int = 20, mesh=None, max_executables: int = 256, num_scheduler_steps: int = 1):
         self.config = config
+        self.num_scheduler_steps = num_scheduler_steps  # decode steps one dispatch may run (``_multi_fn``)
         self.weights = weights
         self.cache = cache
         self.buckets = buckets
@@ -233,6 +234,11 @@ class ModelRunner:
         self._forward = jax.jit(self._forward_fn, static_argnames=("packing",),
                                 donate_argnums=() if ops.defer_kv_write else (1,),
                                 compiler_options={"xla_disable_hlo_passes": "rematerialization"}, **forward_shardings)
+        # Several decode steps in one executable (``num_scheduler_steps``): it writes the cache itself.
+        self._multi = jax.jit(self._multi_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties",
+                                                               "num_steps"),
+                              donate_argnums=(1,), compiler_options={"xla_disable_hlo_passes": "rematerialization"},
+                              **step_shardings)
         self._sample = jax.jit(self._sample_fn, static_argnames=("packing", "greedy_only", "num_logprobs", "penalties"),
                                **sample_shardings)
         self._write = jax.jit(write_kv_layers, donate_argnums=(0,), **swap_shardings)
@@ -256,6 +262,49 @@ class ModelRunner:
             return result, cache, _as_last_tokens(last, prev_tokens)
         result = sample(logits, sb, **kw)
         return result, cache, _as_last_tokens(result.tokens, prev_tokens)
+
+    def _multi_fn(self, weights, cache, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties,
+                  num_steps):
+        """``num_steps`` decode steps of a decode-only batch in one executable (``num_scheduler_steps``):
+        each iteration feeds every sequence one token, writes its K/V into the slot after the last
+        (pages the scheduler reserved ahead: ``Scheduler.reserve``), samples the next token (output
+        index ``step + i``: the same key as a step of its own would use) and feeds it to the next.
+        Returns the tokens (and logprobs, if asked) with a ``num_steps`` axis after the sequences'.
+        On a 2-core CPU the host's dispatch, input and output work of a batch-1 SmolLM2 step (~1 ms
+        next to ~7.5 ms of step) is then paid once per ``num_steps`` tokens (docs/benchmarks.md,
+        issue 22). Not with penalties (their counts would change inside the run)."""
+        assert not penalties
+        self.num_compilations += 1
+        tokens, positions, md, sb = unpack_inputs(inputs, packing)
+        log.info("compiling %d-step decode: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s", num_steps,
+                 tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only)
+        ps, n = cache.page_size, tokens.shape[0]
+        live = md.slot_mapping < cache.num_pages * ps  # real tokens; padding keeps its dropped slot
+        row = jnp.minimum(jnp.arange(n), md.page_table.shape[0] - 1)  # decode-only: token j is sequence j's
+        fed = -1 - jnp.minimum(jnp.arange(n, dtype=jnp.int32), prev_tokens.shape[0] - 1)  # "row j's last sample"
+
+        def one(i, carry):
+            cache, prev, out = carry
+            pos = positions + i
+            slots = jnp.where(live, md.page_table[row, pos // ps] * ps + pos % ps, md.slot_mapping)
+            md_i = dataclasses.replace(md, slot_mapping=slots, seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + i, 0))
+            logits, new = self._forward_tokens(weights, cache, prev, jnp.where(i == 0, tokens, fed), pos, md_i)
+            if self._ops.defer_kv_write:
+                # The scatter must follow every read of the cache: the barrier makes it wait for the
+                # logits, which depend on the last layer's attention.
+                logits, cache = jax.lax.optimization_barrier((logits, cache))
+                new = write_kv_layers(cache, *new, slots)
+            result = sample(logits, dataclasses.replace(sb, step=sb.step + i), greedy_only=greedy_only,
+                            num_logprobs=num_logprobs)
+            out = jax.tree.map(lambda o, r: o.at[:, i].set(r), out, result)
+            return new, _as_last_tokens(result.tokens, prev), out
+
+        rows = md.page_table.shape[0]
+        out = jax.tree.map(lambda x: jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype),
+                           jax.eval_shape(lambda: sample(jnp.zeros((rows, self.config.vocab_size)), sb,
+                                                         greedy_only=True, num_logprobs=num_logprobs)))
+        cache, last, out = jax.lax.fori_loop(0, num_steps, one, (cache, prev_tokens, out))
+        return out, cache, last
 
     def _forward_tokens(self, weights, cache, prev_tokens, tokens, positions, md):
         tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
@@ -372,10 +421,16 @@ class ModelRunner:
         return dict(greedy_only=None if self._greedy_in_step else greedy, num_logprobs=num_logprobs,
                     penalties=penalties)
 
-    def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict, feeds_next: bool = False):
+    def execute(self, tokens, positions, md: BatchMetadata, sb: SamplingBatch, flags: dict, feeds_next: bool = False,
+                num_steps: int = 1):
         """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored
-        (``feeds_next``: whether they will be, which followers of a multi-process run mirror)."""
+        (``feeds_next``: whether they will be, which followers of a multi-process run mirror);
+        ``num_steps > 1``: that many decode steps at once (``_multi_fn``; one process only)."""
         inputs, packing = pack_inputs((tokens, positions, md, sb))
+        if num_steps > 1:
+            assert not self._multihost
+            args = (self.weights, self.cache, self.last_tokens, inputs)
+            return self._compiled(self._multi, args, packing, dict(flags, num_steps=num_steps))(*args)
         if self._multihost:
             shape = (tokens.shape[0], *md.page_table.shape, sb.penalty_rows.shape[0])
             multihost.send_step(inputs, shape, md.decode_only, flags, feeds_next)
@@ -429,10 +484,11 @@ class ModelRunner:
         pending.set_result(exe)
         return exe
 
-    def run(self, batch: ScheduledBatch, num_speculative: int = 0) -> SampleResult | VerifyResult:
+    def run(self, batch: ScheduledBatch, num_speculative: int = 0, num_steps: int = 1) -> SampleResult | VerifyResult:
         """Dispatch one step; the result stays on device until the caller reads it. Its last sampled
         tokens (a verifying step's, ``num_speculative``: each sequence's last emitted token) become
-        ``last_tokens``, which the next step's in-flight inputs read.
+        ``last_tokens``, which the next step's in-flight inputs read. ``num_steps > 1``: that many
+        decode steps of a decode-only batch at once (``_multi_fn``), tokens ``[S, num_steps]``.
 
         On an accelerator the copy of the sampled tokens (a verifying step's outcome too:
         ``VerifyResult.tokens``) to the host is queued now, behind the step, so the host finds them
@@ -440,7 +496,8 @@ class ModelRunner:
         ~0.3-0.45 ms per array after the step had finished, time a synchronous (speculating) step added
         to every step (docs/benchmarks.md). Not on CPU, where the array is already in host memory and
         queuing the copy cost ~75 us of host time per call."""
-        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch, num_speculative), feeds_next=True)
+        result, self.cache, self.last_tokens = self.execute(*self.prepare(batch, num_speculative), feeds_next=True,
+                                                            num_steps=num_steps)
         self.num_steps += 1
         if self._multihost:
             result = multihost.local_view(result)
@@ -484,16 +541,22 @@ class ModelRunner:
                 self.last_tokens = last
 
     def warmup_plan(self, shapes=None,
-                    greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool | None]]:
-        """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only)`` for every
-        bucket, greedy and (unless ``greedy_only``) sampled, or on CPU one step that does both (``None``),
-        and the decode-only variant of the shapes a decode-only step can take (logprobs and penalties
-        compile on first use)."""
+                    greedy_only: bool = False) -> list[tuple[tuple[int, int, int], bool, bool | None, int]]:
+        """The steps ``warmup`` compiles: ``((tokens, seqs, pages), decode_only, greedy_only, steps)`` for
+        every bucket, greedy and (unless ``greedy_only``) sampled, or on CPU one step that does both
+        (``None``); the decode-only variant of the shapes a decode-only step can take; and with
+        ``num_scheduler_steps > 1`` the multi-step decode (``steps``; else 1) of the shapes a batch of
+        decodes takes (logprobs and penalties compile on first use)."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         decode = {x for x in self.buckets.decode_shapes() if x[1] <= self._decode_max_seqs}
         steps = [(x, False) for x in shapes] + [(x, True) for x in shapes if x in decode]
         variants = (None,) if self._greedy_in_step else (True,) if greedy_only else (True, False)
-        return [(x, d, g) for x, d in steps for g in variants]
+        plan = [(x, d, g, 1) for x, d in steps for g in variants]
+        if self.num_scheduler_steps > 1:  # a batch of decodes is decode-only where the backend has the kernel
+            decodes = set(self.buckets.decode_shapes())
+            plan += [(x, d, g, self.num_scheduler_steps) for x, d, g, _ in plan
+                     if x in decodes and d == (x[1] <= self._decode_max_seqs)]
+        return plan
 
     def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
                num_speculative: int = 0, background: bool = False) -> None:
@@ -506,8 +569,9 @@ class ModelRunner:
         every step was nearly all of the SmolLM2 server's start-up on the 2-core CPU (40 steps: 47 s
         from an empty compilation cache, 15 s from a filled one; docs/benchmarks.md, issue 22)."""
         plan = self.warmup_plan(shapes, greedy_only)
-        count = len(plan) * (2 if num_speculative else 1) + (
-            len({(x, d) for x, d, _ in plan}) + len({(x[1], g) for x, _, g in plan}) if structured else 0)
+        single = [x for x in plan if x[3] == 1]  # the steps that have verifying and constrained variants
+        count = len(plan) + (len(single) if num_speculative else 0) + (
+            len({(x, d) for x, d, _, _ in single}) + len({(x[1], g) for x, _, g, _ in single}) if structured else 0)
         if count > self.max_executables:
             raise ValueError(f"warm-up would compile {count} steps but max_executables is "
                              f"{self.max_executables}: raise it or use fewer buckets")
@@ -522,12 +586,12 @@ class ModelRunner:
                       total=len(now), desc="compiling buckets", unit="step"))
         if self._ops.defer_kv_write:  # the cache write of each token bucket: run, since its slots drop it
             c = self.config
-            for t in sorted({t for (t, _, _), _, _ in plan}):
+            for t in sorted({t for (t, _, _), _, _, _ in plan}):
                 new = jnp.zeros((c.num_layers, t, c.num_kv_heads, c.head_dim), self.cache.write_dtype)
                 self.cache = self._write(self.cache, new, new, np.full(t, self.cache.num_pages * self.cache.page_size,
                                                                           np.int32))
         rest = sorted((x for x in plan if x not in first),
-                      key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], x[2] is False))
+                      key=lambda x: (x[0][1], x[0][2], x[0][0], x[1], x[2] is False, x[3]))
         if rest:
             def compile_rest():
                 for step in rest:
@@ -559,9 +623,9 @@ class ModelRunner:
         return [x for x in plan if x[0][1:] == (b.seqs[0], b.pages[0]) and x[0][0] in (b.tokens[0], b.tokens[-1])]
 
     def _warm_step(self, step, state, structured: bool, num_speculative: int) -> None:
-        """Compile one step of ``warmup_plan`` (and its verifying and constrained variants if asked)
-        for ``state``, the cache's and last tokens' shapes."""
-        (t, s, p), decode_only, greedy = step
+        """Compile one step of ``warmup_plan`` (and, for a single step, its verifying and constrained
+        variants if asked) for ``state``, the cache's and last tokens' shapes."""
+        (t, s, p), decode_only, greedy, steps = step
         tokens = np.zeros(t, np.int32)
         slots = np.full(t, self.cache.num_pages * self.cache.page_size, np.int32)
         md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.zeros(s, np.int32),
@@ -570,6 +634,9 @@ class ModelRunner:
                                                                    penalties=False)
         weights, (cache, last) = self.weights, state
         inputs, packing = pack_inputs((tokens, tokens, md, sb))
+        if steps > 1:
+            self._compiled(self._multi, (weights, cache, last, inputs), packing, dict(flags, num_steps=steps))
+            return
         self._compiled(self._step, (weights, cache, last, inputs), packing, flags)
         if num_speculative:
             md_v = dataclasses.replace(md, logits_indices=np.zeros(s * (num_speculative + 1), np.int32))

@@ -175,6 +175,18 @@ class Scheduler:
         seqs = [s for s, _ in batch.values()]
         return ScheduledBatch(seqs, [n for _, n in batch.values()])
 
+    def reserve(self, batch: ScheduledBatch, steps: int) -> bool:
+        """Pages for ``steps`` more tokens of every sequence of a decode batch, which one dispatch
+        decodes ``steps`` times (``EngineConfig.num_scheduler_steps``), if the free pages hold them
+        all; never preempts (the batch then runs one step)."""
+        need = [max(0, self.blocks.pages_needed(s.num_computed_tokens + steps) - len(s.page_table))
+                for s in batch.seqs]
+        if sum(need) > self.blocks.num_free:
+            return False
+        for s in batch.seqs:
+            self.blocks.grow(s.page_table, s.num_computed_tokens + steps)
+        return True
+
     def _fit_bucket(self, batch: dict) -> None:
         """Trim prefill chunks, newest first, down to the largest bucket below the step's tokens when
         the bucket the step needs would be mostly padding (module docstring). Decodes are never

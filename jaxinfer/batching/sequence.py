@@ -42,11 +42,11 @@ class Sequence:
     # The in-flight protocol. A step is read one step late: the host schedules and dispatches step
     # N + 1 while step N runs, then reads step N (``LLMEngine.step``). ``inflight`` holds what the
     # steps dispatched but not yet read add to the sequence if they accept every proposal, oldest
-    # step first: each step's proposals, then ``SAMPLED`` for the token it samples (known only on
-    # device; the next step feeds the newest from there: row ``pending_row`` of step
-    # ``pending_step``). Reading a step takes its entries off the front; a step that rejected a
-    # proposal takes all of them, so whatever the next step computed from the rejected proposals is
-    # discarded (``LLMEngine._roll_back``).
+    # step first: each step's proposals, then ``SAMPLED`` for the token it samples (one per decode
+    # step it runs: ``num_scheduler_steps``; known only on device; the next step feeds the newest from
+    # there: row ``pending_row`` of step ``pending_step``). Reading a step takes its entries off the
+    # front; a step that rejected a proposal takes all of them, so whatever the next step computed
+    # from the rejected proposals is discarded (``LLMEngine._roll_back``).
     inflight: list[int] = dataclasses.field(default_factory=list)
     pending_row: int = -1
     pending_step: int = -1
