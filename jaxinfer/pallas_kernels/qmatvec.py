@@ -50,18 +50,27 @@ from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2
 
 _MAGIC = 0x4B000000  # the bits of float32 2^23: ORing an integer below 2^23 into it gives 2^23 + q
 _CHUNK = 16  # bytes of a row's codes one thread reduces in registers (one 16-byte load)
+_WORDS = _CHUNK // 4  # the chunk as 32-bit words
 # Programs to aim for when choosing ``split_k`` by default: a few per SM of an H200 (132 SMs).
 _TARGET_PROGRAMS = 512
 
 
-def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
+def _fields(bits: int) -> list[tuple[int, int]]:
+    """Where ``decode`` finds code ``p`` of a 32-bit word (bits ``[bits*p, bits*p + bits)``): the word
+    shifted right by ``shift``, the code at bit ``offset`` of that. Codes stay in place in the low 20
+    bits (inside 2^23's mantissa, and never at a pure low-bit extract, which ptxas splits into two
+    instructions); the rest come from one shift of the word per tile, shared by its upper codes."""
+    out = []
+    for p in range(32 // bits):
+        lo = bits * p
+        shift = 0 if lo + bits <= 20 else (16 if bits == 8 else 12)
+        out.append((shift, lo - shift))
+    return out
+
+
+def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
             block_rows, block_chunks):
-    if bits == 4:
-        xlo_ref, xhi_ref, *refs = refs
-        x_refs = (xlo_ref, xhi_ref)
-    else:
-        x_ref, *refs = refs
-        x_refs = (x_ref,)
+    x_ref, *refs = refs
     if has_offsets:
         xsum_ref, *refs = refs
     codes_ref, scales_ref, *refs = refs
@@ -71,59 +80,72 @@ def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chu
     num_rows = codes_ref.shape[0]
     i, s = pl.program_id(0), pl.program_id(1)
     r = i * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    rows = jnp.minimum(r, num_rows - 1)  # rows past the end re-read the last one; their store is masked
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, _CHUNK), 1)
+    rows = jnp.minimum(r, num_rows - 1)[:, None, None]  # rows past the end re-read the last one; their store is masked
+    word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
+    shape = (block_rows, block_chunks, _WORDS)
 
     def chunk_index(t):
-        k = (s * tiles + t) * block_chunks + jax.lax.broadcasted_iota(jnp.int32, (block_chunks,), 0)
-        return k < chunks, jnp.minimum(k, chunks - 1)
+        """Tile ``t``'s chunk indices ``[1, BC, 1]``: as they are (x, zero-padded past ``chunks``)
+        and clamped (the codes: chunks past the end re-read the last one, and meet x's zeros)."""
+        k = (s * tiles + t) * block_chunks + jax.lax.broadcasted_iota(jnp.int32, (1, block_chunks, 1), 1)
+        return k, jnp.minimum(k, chunks - 1)
 
     def load(t):
-        """Tile ``t``'s codes ``[R, BC, 16]`` and its chunks' scales and offsets ``[R, BC]``, as
-        stored; nothing is read for ``t == tiles`` (the prefetch past the last tile)."""
+        """Tile ``t``'s code words ``[R, BC, 4]`` and its chunks' scales and offsets ``[R, BC, 1]``,
+        as stored; nothing is read for ``t == tiles`` (the prefetch past the last tile, never used,
+        so no fill value: that would cost an instruction per register)."""
         _, kc = chunk_index(t)
         live = t < tiles
-        c = plgpu.load(codes_ref.at[rows[:, None, None], kc[None, :, None], col[None]],
-                       mask=jnp.full((block_rows, block_chunks, _CHUNK), live), other=0)
+        c = plgpu.load(codes_ref.at[rows, kc, word], mask=jnp.full(shape, live))
         if per_row:
             return (c,)
         g = kc // chunks_per_group  # a chunk lies in one group
-        live2 = jnp.full((block_rows, block_chunks), live)
-        return (c, *(plgpu.load(ref.at[rows[:, None], g[None, :]], mask=live2, other=0)
+        live1 = jnp.full((block_rows, block_chunks, 1), live)
+        return (c, *(plgpu.load(ref.at[rows, g], mask=live1)
                      for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
+
+    fields = _fields(bits)
+    sign = 1 << (bits - 1) if signed else 0
+    # the constants ORed into the codes, read from memory: as literals ptxas re-materializes the
+    # second constant of each AND-OR with a move per code (measured in the SASS: +1 per weight)
+    magic = [magic_ref[j] for j in range(magic_ref.shape[0])]
+
+    def decode(c):
+        """The word's codes as exact floats ``(q - zero) * 2^offset``: masked in place and ORed
+        (XORed: int8 codes' sign bit is flipped, making them unsigned) into 2^23's mantissa, then one
+        exact subtraction; x is prescaled by ``2^-offset`` to match."""
+        shifted = {sh: c >> sh if sh else c for sh in {sh for sh, _ in fields}}
+        out = []
+        for sh, off in fields:
+            f = (shifted[sh] & (((1 << bits) - 1) << off)) ^ magic[off // 8 if signed else 0]
+            out.append(jax.lax.bitcast_convert_type(f, jnp.float32) - float(2 ** 23 + (sign + zero) * 2 ** off))
+        return out
 
     def step(t, carry):
         acc, tile = carry
         nxt = load(t + 1)  # issued before this tile's math, so its latency hides behind it
-        k_ok, kc = chunk_index(t)
-        c = tile[0]
-        if c.dtype != jnp.uint8:  # int8 codes: the same bytes
-            c = jax.lax.bitcast_convert_type(c, jnp.uint8)
-        c = c.astype(jnp.uint32)
-        if bits == 4:
-            parts, sub = ((c & 15) | _MAGIC, (c >> 4) | _MAGIC), 8388608.0 + zero
-        elif signed:
-            parts, sub = (c ^ (128 | _MAGIC),), 8388608.0 + 128 + zero
-        else:
-            parts, sub = (c | _MAGIC,), 8388608.0 + zero
-        w = [jax.lax.bitcast_convert_type(p, jnp.float32) - sub for p in parts]
+        k, _ = chunk_index(t)
+        w = decode(tile[0])
         sc, off = [a.astype(jnp.float32) for a in tile[1:]] + [None] * (3 - len(tile))
         new = []
         for tok in range(tokens):
-            # chunks past the end: x (and its sums) load as 0, so their clamped codes add nothing
-            mask = jnp.broadcast_to(k_ok[:, None], (block_chunks, _CHUNK))
-            xs = [plgpu.load(xr.at[tok, kc[:, None], col], mask=mask, other=0.0) for xr in x_refs]
-            part = sum(jnp.sum(wp * xp[None], axis=2) for wp, xp in zip(w, xs))  # [R, BC], in-thread sums
+            # x is read as [1, BC, 4], the codes' layout broadcast over rows: no shuffle between threads
+            part = acc[tok] if per_row else None
+            for p, wp in enumerate(w):
+                xp = plgpu.load(x_ref.at[tok, p, k, word])
+                part = wp * xp if part is None else part + wp * xp  # a chain of fused multiply-adds
             if not per_row:
-                part = part * sc
+                part = jnp.sum(part, axis=2, keepdims=True) * sc
                 if has_offsets:
-                    part = part + off * plgpu.load(xsum_ref.at[tok, kc], mask=k_ok, other=0.0)[None]
-            new.append(acc[tok] + part)  # elementwise: one cross-thread reduction, after the loop
+                    part = part + off * plgpu.load(xsum_ref.at[tok, k])
+                part = acc[tok] + part
+            new.append(part)  # elementwise: one cross-thread reduction, after the loop
         return tuple(new), nxt
 
-    init = tuple(jnp.zeros((block_rows, block_chunks), jnp.float32) for _ in range(tokens))
+    init = tuple(jnp.zeros(shape if per_row else shape[:2] + (1,), jnp.float32) for _ in range(tokens))
     acc, _ = jax.lax.fori_loop(0, tiles, step, (init, load(0)))
-    acc = [jnp.sum(a, axis=1) for a in acc]
+    acc = [jnp.sum(a, axis=(1, 2)) for a in acc]
+    rows = rows[:, 0, 0]
     if per_row:
         row_scale = scales_ref[rows, 0].astype(jnp.float32)
         acc = [a * row_scale for a in acc]
@@ -173,15 +195,24 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     tiles = cdiv(cdiv(chunks, block_chunks), split_k)
 
     xf = x.astype(jnp.float32)
-    if bits == 4:  # the columns each byte's low and high nibbles hold, byte for byte
-        xr = xf.reshape(tokens, chunks, 2, _CHUNK)
-        xs = [xr[:, :, 0], xr[:, :, 1]]
-    else:
-        xs = [xf.reshape(tokens, chunks, _CHUNK)]
-    operands = list(xs)
+    # x in the decoded codes' order, [T, field p, chunk, word]: column 4 * word + p of 8-bit codes;
+    # GGUF nibbles: byte p // 2 of the word, its low (column 4 * word + p // 2) or high (+ 16) nibble.
+    # Scaled by 2^-offset to undo where ``decode`` leaves each code, and zero-padded to whole tiles
+    if bits == 4:  # [T, chunk, high, word, byte] -> [T, (byte, high), chunk, word]
+        xw = xf.reshape(tokens, chunks, 2, _WORDS, 4).transpose(0, 4, 2, 1, 3)
+    else:  # [T, chunk, word, byte] -> [T, byte, chunk, word]
+        xw = xf.reshape(tokens, chunks, _WORDS, 4).transpose(0, 3, 1, 2)
+    fields = _fields(bits)
+    place = jnp.asarray([2.0 ** -off for _, off in fields], jnp.float32)
+    pad = split_k * tiles * block_chunks - chunks
+    xw = xw.reshape(tokens, len(fields), chunks, _WORDS) * place[:, None, None]
+    sign = 1 << (bits - 1) if signed else 0
+    magic = [_MAGIC | (sign << off) for off in ((0, 8) if signed else (0,))]
+    operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
     if offsets is not None:
-        operands.append(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1))
-    operands += [values.reshape(out, chunks, _CHUNK), scales]
+        operands.append(jnp.pad(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1), ((0, 0), (0, pad))))
+    words = jax.lax.bitcast_convert_type(values.reshape(out, chunks, _WORDS, 4), jnp.uint32)
+    operands += [words, scales]
     if offsets is not None:
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
