@@ -79,8 +79,18 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
     (o_ref,) = refs
     num_rows = codes_ref.shape[0]
     i, s = pl.program_id(0), pl.program_id(1)
-    r = i * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    rows = jnp.minimum(r, num_rows - 1)[:, None, None]  # rows past the end re-read the last one; their store is masked
+    iota = jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    if num_rows >= block_rows:
+        # the last block moves back to end at the last row (rows it shares with the block before are
+        # not stored twice): row indices stay affine, so the loads' addresses are one base plus
+        # immediate offsets (clamped indices cost address arithmetic per load)
+        r0 = jnp.minimum(i * block_rows, num_rows - block_rows)
+        r, row_ok = r0 + iota, r0 + iota >= i * block_rows
+        rows = r[:, None, None]
+    else:
+        r = i * block_rows + iota
+        row_ok = r < num_rows
+        rows = jnp.minimum(r, num_rows - 1)[:, None, None]  # rows past the end re-read the last one; their store is masked
     word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
     shape = (block_rows, block_chunks, _WORDS)
 
@@ -92,17 +102,13 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
 
     def load(t):
         """Tile ``t``'s code words ``[R, BC, 4]`` and its chunks' scales and offsets ``[R, BC, 1]``,
-        as stored; nothing is read for ``t == tiles`` (the prefetch past the last tile, never used,
-        so no fill value: that would cost an instruction per register)."""
+        as stored."""
         _, kc = chunk_index(t)
-        live = t < tiles
-        c = plgpu.load(codes_ref.at[rows, kc, word], mask=jnp.full(shape, live))
+        c = plgpu.load(codes_ref.at[rows, kc, word])
         if per_row:
             return (c,)
         g = kc // chunks_per_group  # a chunk lies in one group
-        live1 = jnp.full((block_rows, block_chunks, 1), live)
-        return (c, *(plgpu.load(ref.at[rows, g], mask=live1)
-                     for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
+        return (c, *(plgpu.load(ref.at[rows, g]) for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
 
     fields = _fields(bits)
     sign = 1 << (bits - 1) if signed else 0
@@ -121,9 +127,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
             out.append(jax.lax.bitcast_convert_type(f, jnp.float32) - float(2 ** 23 + (sign + zero) * 2 ** off))
         return out
 
-    def step(t, carry):
-        acc, tile = carry
-        nxt = load(t + 1)  # issued before this tile's math, so its latency hides behind it
+    def compute(t, acc, tile):
         k, _ = chunk_index(t)
         w = decode(tile[0])
         sc, off = [a.astype(jnp.float32) for a in tile[1:]] + [None] * (3 - len(tile))
@@ -135,21 +139,26 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
                 xp = plgpu.load(x_ref.at[tok, p, k, word])
                 part = wp * xp if part is None else part + wp * xp  # a chain of fused multiply-adds
             if not per_row:
-                part = jnp.sum(part, axis=2, keepdims=True) * sc
+                part = acc[tok] + jnp.sum(part, axis=2, keepdims=True) * sc
                 if has_offsets:
                     part = part + off * plgpu.load(xsum_ref.at[tok, k])
-                part = acc[tok] + part
             new.append(part)  # elementwise: one cross-thread reduction, after the loop
-        return tuple(new), nxt
+        return tuple(new)
 
+    def step(t, carry):
+        nxt = load(t + 1)  # issued before this tile's math, so its latency hides behind it
+        return compute(t, *carry), nxt
+
+    # the last tile after the loop: no prefetch past the end, so no loads to mask (a masked load
+    # zero-fills its registers, an instruction per two)
     init = tuple(jnp.zeros(shape if per_row else shape[:2] + (1,), jnp.float32) for _ in range(tokens))
-    acc, _ = jax.lax.fori_loop(0, tiles, step, (init, load(0)))
+    acc, tile = jax.lax.fori_loop(0, tiles - 1, step, (init, load(0)))
+    acc = compute(tiles - 1, acc, tile)
     acc = [jnp.sum(a, axis=(1, 2)) for a in acc]
     rows = rows[:, 0, 0]
     if per_row:
         row_scale = scales_ref[rows, 0].astype(jnp.float32)
         acc = [a * row_scale for a in acc]
-    row_ok = r < num_rows
     idx = jnp.where(row_ok, r, num_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0))
     for tok in range(tokens):
         # masked lanes get indices past the end: interpret mode emulates a masked scatter by
