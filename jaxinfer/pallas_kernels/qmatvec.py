@@ -57,13 +57,15 @@ _TARGET_PROGRAMS = 512
 
 def _fields(bits: int) -> list[tuple[int, int]]:
     """Where ``decode`` finds code ``p`` of a 32-bit word (bits ``[bits*p, bits*p + bits)``): the word
-    shifted right by ``shift``, the code at bit ``offset`` of that. Codes stay in place in the low 20
-    bits (inside 2^23's mantissa, and never at a pure low-bit extract, which ptxas splits into two
-    instructions); the rest come from one shift of the word per tile, shared by its upper codes."""
+    shifted right by ``shift``, the code at bit ``offset`` of that. Codes in the low 20 bits stay in
+    place (inside 2^23's mantissa); the rest come from the word shifted right by 12, one shift shared
+    by its upper codes, which land at bits 4-19: never at bit 0, where ptxas turns shift-and-mask into
+    a byte or bit-field extract and then needs a second instruction for the magic (measured in the SASS:
+    a shift by 16 cost int8 6 integer instructions per word, this 5)."""
     out = []
     for p in range(32 // bits):
         lo = bits * p
-        shift = 0 if lo + bits <= 20 else (16 if bits == 8 else 12)
+        shift = 0 if lo + bits <= 20 else 12
         out.append((shift, lo - shift))
     return out
 
@@ -111,6 +113,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         return (c, *(plgpu.load(ref.at[rows, g]) for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
 
     fields = _fields(bits)
+    offsets = sorted({off for _, off in fields})
     sign = 1 << (bits - 1) if signed else 0
     # the constants ORed into the codes, read from memory: as literals ptxas re-materializes the
     # second constant of each AND-OR with a move per code (measured in the SASS: +1 per weight)
@@ -123,7 +126,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         shifted = {sh: c >> sh if sh else c for sh in {sh for sh, _ in fields}}
         out = []
         for sh, off in fields:
-            f = (shifted[sh] & (((1 << bits) - 1) << off)) ^ magic[off // 8 if signed else 0]
+            f = (shifted[sh] & (((1 << bits) - 1) << off)) ^ magic[offsets.index(off) if signed else 0]
             out.append(jax.lax.bitcast_convert_type(f, jnp.float32) - float(2 ** 23 + (sign + zero) * 2 ** off))
         return out
 
@@ -216,7 +219,7 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     pad = split_k * tiles * block_chunks - chunks
     xw = xw.reshape(tokens, len(fields), chunks, _WORDS) * place[:, None, None]
     sign = 1 << (bits - 1) if signed else 0
-    magic = [_MAGIC | (sign << off) for off in ((0, 8) if signed else (0,))]
+    magic = [_MAGIC | (sign << off) for off in (sorted({off for _, off in fields}) if signed else (0,))]
     operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
     if offsets is not None:
         operands.append(jnp.pad(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1), ((0, 0), (0, pad))))
