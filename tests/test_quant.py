@@ -148,15 +148,17 @@ def test_matvec_kernel_matches_dequantize_then_matmul(monkeypatch, scheme, din, 
     assert len(calls) == 1 and calls[0]["bits"] == w.format.bits
 
 
-@pytest.mark.parametrize("bits,group,zero,offsets", [(8, None, 0, False), (8, 32, 0, False), (4, 32, 8, False),
-                                                    (4, 64, 0, True)])
-def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets):
+@pytest.mark.parametrize("bits,group,zero,offsets,din", [(8, None, 0, False, 240), (8, 32, 0, False, 224),
+                                                        (4, 32, 8, False, 224), (4, 64, 0, True, 256)])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets, din, prefetch):
     """The kernel alone (interpreted) on codes covering their whole range (int8 -128..127, nibbles
     0..15), against a float64 decode written out here (GGUF nibble order: byte j of each 32 columns
     holds column j low, j + 16 high): 5 rows (fewer than a block: clamped row indices), 2 tokens, and
-    one chunk per tile without splits (the loop with its prefetch runs many times)."""
+    one chunk per tile without splits (7-15 tiles: the loop runs many times), prefetching 1 or 2 tiles
+    ahead (2: two tiles per iteration, odd tile counts leave one step after the loop)."""
     rng = np.random.default_rng(bits + zero)
-    out, din, tokens = 5, 256, 2
+    out, tokens = 5, 2
     group = group or din
     if bits == 8:
         q = rng.integers(-128, 128, (out, din))
@@ -173,7 +175,8 @@ def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets
         wd = wd + np.repeat(np.asarray(offs, np.float64), group, axis=1)
     x = rng.standard_normal((tokens, din)).astype(np.float32)
     y = qmatvec.quantized_matvec(jnp.asarray(x), values, scales, offs, bits=bits, group_size=group, zero=zero,
-                                 signed=bits == 8, block_rows=16, block_chunks=1, split_k=1, interpret=True)
+                                 signed=bits == 8, block_rows=16, block_chunks=1, split_k=1, prefetch=prefetch,
+                                 interpret=True)
     want = x.astype(np.float64) @ wd.T
     np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - want), 1e-6 * (np.abs(x) @ np.abs(wd).T))
 

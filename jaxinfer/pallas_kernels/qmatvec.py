@@ -71,7 +71,7 @@ def _fields(bits: int) -> list[tuple[int, int]]:
 
 
 def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
-            block_rows, block_chunks):
+            block_rows, block_chunks, prefetch):
     x_ref, *refs = refs
     if has_offsets:
         xsum_ref, *refs = refs
@@ -149,14 +149,30 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         return tuple(new)
 
     def step(t, carry):
-        nxt = load(t + 1)  # issued before this tile's math, so its latency hides behind it
-        return compute(t, *carry), nxt
+        acc, *tiles_ahead = carry
+        nxt = load(t + depth)
+        return compute(t, acc, tiles_ahead[0]), *tiles_ahead[1:], nxt
 
-    # the last tile after the loop: no prefetch past the end, so no loads to mask (a masked load
-    # zero-fills its registers, an instruction per two)
+    def steps(j, carry):
+        # ``depth`` steps per iteration: each prefetch lands in the registers of the tile it replaces,
+        # so the loop carries no register copies (with one step, ``depth`` 2 cost a move per register)
+        for k in range(depth):
+            carry = step(j * depth + k, carry)
+        return carry
+
+    # ``depth`` tiles in flight: ptxas issues a prefetch only once the registers of the tile it
+    # replaces are free, i.e. at the end of the iteration before its use (measured in the SASS); loads
+    # ``depth`` tiles ahead still have ``depth - 1`` iterations of math to land behind. The last
+    # ``depth`` tiles run after the loop: no prefetch past the end, so no loads to mask (a masked
+    # load zero-fills its registers, an instruction per two).
+    depth = min(prefetch, tiles)
     init = tuple(jnp.zeros(shape if per_row else shape[:2] + (1,), jnp.float32) for _ in range(tokens))
-    acc, tile = jax.lax.fori_loop(0, tiles - 1, step, (init, load(0)))
-    acc = compute(tiles - 1, acc, tile)
+    carry = jax.lax.fori_loop(0, (tiles - depth) // depth, steps, (init, *(load(t) for t in range(depth))))
+    for t in range((tiles - depth) // depth * depth, tiles - depth):
+        carry = step(t, carry)
+    acc, *ahead = carry
+    for j, tile in enumerate(ahead):
+        acc = compute(tiles - len(ahead) + j, acc, tile)
     acc = [jnp.sum(a, axis=(1, 2)) for a in acc]
     rows = rows[:, 0, 0]
     if per_row:
@@ -182,11 +198,13 @@ def default_blocks(out: int, n_in: int, bits: int) -> dict:
 def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
                      bits: int, group_size: int, zero: int = 0, signed: bool = False,
                      block_rows: int | None = None, block_chunks: int | None = None, split_k: int | None = None,
-                     num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                     prefetch: int = 1, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """``x [T, in] @ W.T`` as float32 ``[T, out]``, ``W`` decoded per group as ``(q - zero) * scale
     (+ offset)``: ``values`` int8 ``[out, in]`` (``bits=8``; ``signed``: int8 codes, else uint8) or
     packed nibbles uint8 ``[out, in / 2]`` (``bits=4``, GGUF order), ``scales`` (and ``offsets``)
-    ``[out, in / group_size]``. Block sizes default to ``default_blocks``."""
+    ``[out, in / group_size]``. Block sizes default to ``default_blocks``; ``prefetch``: tiles loaded
+    ahead of the one being decoded (2 holds a second tile's registers: int8 71 -> 127 per thread, int4
+    96 -> 254, where ptxas starts re-materializing constants; for the H200 run to settle)."""
     if bits not in (4, 8):
         raise ValueError(f"quantized_matvec: bits must be 4 or 8, got {bits}")
     if x.ndim != 2 or values.ndim != 2:
@@ -229,7 +247,7 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
                                zero=zero, signed=signed, chunks=chunks, chunks_per_group=group_size // cols,
-                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks)
+                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch)
     y = pl.pallas_call(
         kernel, grid=(cdiv(out, block_rows), split_k),
         out_shape=jax.ShapeDtypeStruct((split_k, tokens, out), jnp.float32),
