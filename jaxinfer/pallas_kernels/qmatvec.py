@@ -94,6 +94,8 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         row_ok = r < num_rows
         rows = jnp.minimum(r, num_rows - 1)[:, None, None]  # rows past the end re-read the last one; their store is masked
     word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
+    byte = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 4), 3)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _CHUNK), 2)
     shape = (block_rows, block_chunks, _WORDS)
 
     def chunk_index(t):
@@ -104,9 +106,16 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
 
     def load(t):
         """Tile ``t``'s code words ``[R, BC, 4]`` and its chunks' scales and offsets ``[R, BC, 1]``,
-        as stored."""
+        as stored. The codes are read as bytes, one 16-byte load per chunk, and assembled into
+        little-endian 32-bit words, which LLVM folds back into the loaded registers (the SASS has no
+        instruction for it). Not ``bitcast_convert_type`` outside: XLA expands a bitcast that changes
+        the element size into a copy of the whole weight, every call."""
         _, kc = chunk_index(t)
-        c = plgpu.load(codes_ref.at[rows, kc, word])
+        b = plgpu.load(codes_ref.at[rows, kc, col])
+        if b.dtype != jnp.uint8:
+            b = jax.lax.bitcast_convert_type(b, jnp.uint8)
+        b = b.reshape(block_rows, block_chunks, _WORDS, 4).astype(jnp.uint32)
+        c = jnp.sum(b << (8 * byte).astype(jnp.uint32), axis=3)
         if per_row:
             return (c,)
         g = kc // chunks_per_group  # a chunk lies in one group
@@ -241,8 +250,7 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
     if offsets is not None:
         operands.append(jnp.pad(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1), ((0, 0), (0, pad))))
-    words = jax.lax.bitcast_convert_type(values.reshape(out, chunks, _WORDS, 4), jnp.uint32)
-    operands += [words, scales]
+    operands += [values.reshape(out, chunks, _CHUNK), scales]
     if offsets is not None:
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
