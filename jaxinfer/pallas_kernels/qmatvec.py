@@ -11,30 +11,53 @@ int8 1.16x bf16, int4-g128 0.83x, issue 25). This kernel:
   each row's tile one contiguous run of bytes (a ``[rows, chunks, 16]`` view of the codes, free). A
   weight with few rows (``w_down``: 4,096 x 14,336) also splits the columns (``split_k``), so the
   grid still has several programs per SM; the splits' float32 partials are summed by XLA after.
-- Decode is bound by instructions per byte, not only bytes (the first version, which reduced each
+- Decode is bound by instructions per weight, not only bytes (the first version, which reduced each
   tile across threads, ran the int4-g128 lm_head at 1.5 TB/s and int8 at 3.2 TB/s on an H200, both
-  well under the 4.4 TB/s the same run read at). So: one thread owns a 16-byte chunk of a row (one
-  vector load; a chunk lies in one group), sums its codes times ``x`` in registers, scales the sum
-  by its group's scale and adds it into an elementwise ``[rows, chunks]`` accumulator; the only
-  cross-thread reduction is once, after the loop.
-- Codes become float32 without an int-to-float conversion (a quarter-rate instruction): a byte or
-  nibble ``q`` ORed into the mantissa of 2^23 is the float ``2^23 + q``, and one subtraction of
-  ``2^23 + zero`` gives ``q - zero`` exactly (``zero``: 128 for int8 codes, whose sign bit is
-  flipped first; the format's constant zero, Q4_0's 8).
+  well under the 4.4 TB/s the same run read at; 132 SMs x 4 schedulers x 1 warp instruction per
+  cycle at 1.98 GHz is ~33 T thread instructions a second: at 4.4 TB/s, ~7.6 per int8 weight and
+  ~3.8 per int4 weight). So: one thread owns a 16-byte chunk of a row (one vector load; a chunk lies
+  in one group) and reduces it in registers; the only cross-thread reduction is once, after the loop.
+- ``x`` never moves between threads. It is prepared outside the kernel (a few KB): reordered to the
+  codes' places in a 32-bit word (one ``[in / 16, 4]`` slab per place), scaled by the power of two
+  the decode leaves each code at, zero-padded to whole tiles; each place's slab is loaded as
+  ``[1, chunks, 4]``, which Triton lays out like the codes' ``[rows, chunks, 4]`` words, broadcast
+  over rows in registers. (The version before loaded ``x`` as ``[chunks, 16]`` and broadcast it over
+  rows: Triton converted layouts through shared memory, 4 ``BAR.SYNC`` per iteration for int8 and 8
+  for int4, on top of 5.5 / 7.4 instructions per weight.)
+- Codes become float32 without an int-to-float conversion (a quarter-rate instruction): a code ``q``
+  masked in place in its word (codes in the low 20 bits; the rest from the word shifted right by 12,
+  one shift per word) and ORed into the mantissa of 2^23 is the float ``2^23 + q * 2^offset``; one
+  exact subtraction of ``2^23 + zero * 2^offset`` gives ``(q - zero) * 2^offset``, and ``x`` carries
+  the ``2^-offset``. Mask, OR and int8's sign-bit flip (``q ^ 128``, then 128 more subtracted) are
+  one ``LOP3``, so a code costs ``LOP3`` + ``FADD`` + the ``FFMA`` that multiplies it into a chain of
+  fused multiply-adds (float32 needs the exact subtraction before the multiply: ``(2^23 + q) * x``
+  has lost ``q``'s bits), plus a shift per 4-8 codes.
 - 4-bit codes are read as packed bytes; GGUF's order (byte ``j`` of each 32 columns holds column
-  ``j`` in its low nibble and ``j + 16`` in its high one) is undone on the activations instead: ``x``
-  is split, outside the kernel (a few KB), into the columns the low and the high nibbles meet.
-- Per chunk: ``sum(codes * x)``, times its group's scale, plus the group's offset times ``sum(x)``
-  over the chunk's columns (precomputed with the split of ``x``), so the inner loop is codes times
-  ``x`` only. A per-row scale (int8) multiplies the row's sum once at the end.
+  ``j`` in its low nibble and ``j + 16`` in its high one) is undone on ``x``'s reordering instead.
+- Per chunk: ``sum((q - zero) * x)``, times its group's scale, plus the group's offset times
+  ``sum(x)`` over the chunk's columns (precomputed with ``x``), added into an elementwise ``[rows,
+  chunks]`` accumulator. A per-row scale (int8) multiplies the row's sum once at the end, and its
+  products chain straight into an elementwise ``[rows, chunks, 4]`` accumulator (no per-chunk sum).
 - Accumulation in float32 throughout; each token's sums stay in registers (``T`` is a static
   loop over one load of the codes, so extra tokens cost flops, not bytes).
 
+What the SASS shows (Triton 3.9, ``ptxas`` for sm_90, 4 warps, default blocks; XLA compiles the same
+Triton IR with its own Triton, so close, not exact): the main loop is 3.61 instructions per weight for
+int8 (``LOP3``, ``FADD``, ``FFMA`` one per weight, a shift per word, 20 for addresses, loads and the
+loop: 231 per 64 weights per thread; the version before 5.50) and 3.83 for int4-g128 (3.0 per weight
+plus the per-chunk sum, scale, offset, their fp16 loads and conversions, addresses; before 7.39), no
+barrier, 71 and 96 registers (before 94 and 156), no spills. Exact float32 products cost three
+instructions per weight on the CUDA cores (decode, exact subtraction, FMA), so this is near the
+floor; int4 stays issue-bound near 4.4 TB/s at best. Tensor cores (``pl.dot`` of codes decoded to
+fp16) measured worse in the SASS: Pallas' Triton lowering cannot bitcast a 32-bit word into two
+halves, so the decode runs per 16-bit element (6.5 instructions per weight, 2 barriers per tile).
+
 Formats (static): ``bits`` 8 (``signed`` int8 codes: int8, Q8_0) or 4 (packed nibbles: int4, Q4_0,
 Q4_1), a float16/float32 scale per group of ``group_size`` columns (``group_size == in``: per row),
-optional float offsets per group, a constant ``zero``. Rows past ``out`` and chunks past ``in`` are
-masked, so any number of rows runs; ``in`` and the group must be multiples of a chunk's columns
-(16 for 8 bits, 32 for 4 bits).
+optional float offsets per group, a constant ``zero``. A last row block moves back to end at the last
+row (rows it shares with the block before are not stored; fewer rows than a block are clamped and
+masked) and chunks past ``in`` meet ``x``'s zero padding, so any number of rows runs; ``in`` and the
+group must be multiples of a chunk's columns (16 for 8 bits, 32 for 4 bits).
 """
 
 from __future__ import annotations
@@ -92,7 +115,8 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
     else:
         r = i * block_rows + iota
         row_ok = r < num_rows
-        rows = jnp.minimum(r, num_rows - 1)[:, None, None]  # rows past the end re-read the last one; their store is masked
+        # rows past the end re-read the last one; their store is masked
+        rows = jnp.minimum(r, num_rows - 1)[:, None, None]
     word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
     byte = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 4), 3)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _CHUNK), 2)
@@ -108,8 +132,8 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         """Tile ``t``'s code words ``[R, BC, 4]`` and its chunks' scales and offsets ``[R, BC, 1]``,
         as stored. The codes are read as bytes, one 16-byte load per chunk, and assembled into
         little-endian 32-bit words, which LLVM folds back into the loaded registers (the SASS has no
-        instruction for it). Not ``bitcast_convert_type`` outside: XLA expands a bitcast that changes
-        the element size into a copy of the whole weight, every call."""
+        instruction for it). Not ``bitcast_convert_type`` outside: XLA (on CPU at least) expands a bitcast
+        that changes the element size into a copy of the whole weight, every call."""
         _, kc = chunk_index(t)
         b = plgpu.load(codes_ref.at[rows, kc, col])
         if b.dtype != jnp.uint8:
