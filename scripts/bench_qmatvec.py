@@ -78,10 +78,12 @@ def chained(matvec, chain: int):
 
 
 def configs(out: int, n_in: int, bits: int, extra: int) -> list[dict]:
-    """The default blocks and up to ``extra`` variations of them (rows, tile width, splits, warps)."""
+    """The default blocks and up to ``extra`` variations of them (prefetch depth, rows, tile width,
+    splits, warps)."""
     d = default_blocks(out, n_in, bits)
-    d = dict(d, num_warps=4, num_stages=3)
-    variants = [dict(d, block_rows=d["block_rows"] * 2, split_k=max(1, d["split_k"] // 2), num_warps=8),
+    d = dict(d, prefetch=1, num_warps=4, num_stages=3)
+    variants = [dict(d, prefetch=2),
+                dict(d, block_rows=d["block_rows"] * 2, split_k=max(1, d["split_k"] // 2), num_warps=8),
                 dict(d, block_chunks=d["block_chunks"] * 2, num_stages=1),
                 dict(d, num_stages=1),
                 dict(d, block_rows=max(8, d["block_rows"] // 2), split_k=d["split_k"] * 2),
@@ -95,7 +97,7 @@ def main():
     p.add_argument("--tokens", type=int, default=1, help="rows of activations (decode batch)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, of {list(SCHEMES)}")
-    p.add_argument("--configs", type=int, default=2, help="block configurations tried beside the default (0-5)")
+    p.add_argument("--configs", type=int, default=2, help="block configurations tried beside the default (0-6)")
     p.add_argument("--chain", type=int, default=10, help="serial calls per timed jit call")
     p.add_argument("--inner", type=int, default=5, help="timed jit calls dispatched back to back per repetition")
     p.add_argument("--reps", type=int, default=5)

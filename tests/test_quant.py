@@ -148,6 +148,39 @@ def test_matvec_kernel_matches_dequantize_then_matmul(monkeypatch, scheme, din, 
     assert len(calls) == 1 and calls[0]["bits"] == w.format.bits
 
 
+@pytest.mark.parametrize("bits,group,zero,offsets,din", [(8, None, 0, False, 240), (8, 32, 0, False, 224),
+                                                        (4, 32, 8, False, 224), (4, 64, 0, True, 256)])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets, din, prefetch):
+    """The kernel alone (interpreted) on codes covering their whole range (int8 -128..127, nibbles
+    0..15), against a float64 decode written out here (GGUF nibble order: byte j of each 32 columns
+    holds column j low, j + 16 high): 5 rows (fewer than a block: clamped row indices), 2 tokens, and
+    one chunk per tile without splits (7-15 tiles: the loop runs many times), prefetching 1 or 2 tiles
+    ahead (2: two tiles per iteration, odd tile counts leave one step after the loop)."""
+    rng = np.random.default_rng(bits + zero)
+    out, tokens = 5, 2
+    group = group or din
+    if bits == 8:
+        q = rng.integers(-128, 128, (out, din))
+        values, cols = jnp.asarray(q, jnp.int8), q
+    else:
+        packed = rng.integers(0, 256, (out, din // 2))
+        values = jnp.asarray(packed, jnp.uint8)
+        b = packed.reshape(out, -1, 16)
+        cols = np.concatenate([b & 15, b >> 4], axis=-1).reshape(out, din)
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (out, din // group)) / 64, jnp.float16)
+    offs = jnp.asarray(rng.standard_normal((out, din // group)) / 64, jnp.float16) if offsets else None
+    wd = (cols - zero) * np.repeat(np.asarray(scales, np.float64), group, axis=1)
+    if offsets:
+        wd = wd + np.repeat(np.asarray(offs, np.float64), group, axis=1)
+    x = rng.standard_normal((tokens, din)).astype(np.float32)
+    y = qmatvec.quantized_matvec(jnp.asarray(x), values, scales, offs, bits=bits, group_size=group, zero=zero,
+                                 signed=bits == 8, block_rows=16, block_chunks=1, split_k=1, prefetch=prefetch,
+                                 interpret=True)
+    want = x.astype(np.float64) @ wd.T
+    np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - want), 1e-6 * (np.abs(x) @ np.abs(wd).T))
+
+
 def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     """The kernel's own block choice (``default_blocks``: K split until the grid is large) on an
     int4 weight of 64 x 4096 with several tokens; formats it does not take (the K-quants) and more

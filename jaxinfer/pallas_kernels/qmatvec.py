@@ -11,30 +11,53 @@ int8 1.16x bf16, int4-g128 0.83x, issue 25). This kernel:
   each row's tile one contiguous run of bytes (a ``[rows, chunks, 16]`` view of the codes, free). A
   weight with few rows (``w_down``: 4,096 x 14,336) also splits the columns (``split_k``), so the
   grid still has several programs per SM; the splits' float32 partials are summed by XLA after.
-- Decode is bound by instructions per byte, not only bytes (the first version, which reduced each
+- Decode is bound by instructions per weight, not only bytes (the first version, which reduced each
   tile across threads, ran the int4-g128 lm_head at 1.5 TB/s and int8 at 3.2 TB/s on an H200, both
-  well under the 4.4 TB/s the same run read at). So: one thread owns a 16-byte chunk of a row (one
-  vector load; a chunk lies in one group), sums its codes times ``x`` in registers, scales the sum
-  by its group's scale and adds it into an elementwise ``[rows, chunks]`` accumulator; the only
-  cross-thread reduction is once, after the loop.
-- Codes become float32 without an int-to-float conversion (a quarter-rate instruction): a byte or
-  nibble ``q`` ORed into the mantissa of 2^23 is the float ``2^23 + q``, and one subtraction of
-  ``2^23 + zero`` gives ``q - zero`` exactly (``zero``: 128 for int8 codes, whose sign bit is
-  flipped first; the format's constant zero, Q4_0's 8).
+  well under the 4.4 TB/s the same run read at; 132 SMs x 4 schedulers x 1 warp instruction per
+  cycle at 1.98 GHz is ~33 T thread instructions a second: at 4.4 TB/s, ~7.6 per int8 weight and
+  ~3.8 per int4 weight). So: one thread owns a 16-byte chunk of a row (one vector load; a chunk lies
+  in one group) and reduces it in registers; the only cross-thread reduction is once, after the loop.
+- ``x`` never moves between threads. It is prepared outside the kernel (a few KB): reordered to the
+  codes' places in a 32-bit word (one ``[in / 16, 4]`` slab per place), scaled by the power of two
+  the decode leaves each code at, zero-padded to whole tiles; each place's slab is loaded as
+  ``[1, chunks, 4]``, which Triton lays out like the codes' ``[rows, chunks, 4]`` words, broadcast
+  over rows in registers. (The version before loaded ``x`` as ``[chunks, 16]`` and broadcast it over
+  rows: Triton converted layouts through shared memory, 4 ``BAR.SYNC`` per iteration for int8 and 8
+  for int4, on top of 5.5 / 7.4 instructions per weight.)
+- Codes become float32 without an int-to-float conversion (a quarter-rate instruction): a code ``q``
+  masked in place in its word (codes in the low 20 bits; the rest from the word shifted right by 12,
+  one shift per word) and ORed into the mantissa of 2^23 is the float ``2^23 + q * 2^offset``; one
+  exact subtraction of ``2^23 + zero * 2^offset`` gives ``(q - zero) * 2^offset``, and ``x`` carries
+  the ``2^-offset``. Mask, OR and int8's sign-bit flip (``q ^ 128``, then 128 more subtracted) are
+  one ``LOP3``, so a code costs ``LOP3`` + ``FADD`` + the ``FFMA`` that multiplies it into a chain of
+  fused multiply-adds (float32 needs the exact subtraction before the multiply: ``(2^23 + q) * x``
+  has lost ``q``'s bits), plus a shift per 4-8 codes.
 - 4-bit codes are read as packed bytes; GGUF's order (byte ``j`` of each 32 columns holds column
-  ``j`` in its low nibble and ``j + 16`` in its high one) is undone on the activations instead: ``x``
-  is split, outside the kernel (a few KB), into the columns the low and the high nibbles meet.
-- Per chunk: ``sum(codes * x)``, times its group's scale, plus the group's offset times ``sum(x)``
-  over the chunk's columns (precomputed with the split of ``x``), so the inner loop is codes times
-  ``x`` only. A per-row scale (int8) multiplies the row's sum once at the end.
+  ``j`` in its low nibble and ``j + 16`` in its high one) is undone on ``x``'s reordering instead.
+- Per chunk: ``sum((q - zero) * x)``, times its group's scale, plus the group's offset times
+  ``sum(x)`` over the chunk's columns (precomputed with ``x``), added into an elementwise ``[rows,
+  chunks]`` accumulator. A per-row scale (int8) multiplies the row's sum once at the end, and its
+  products chain straight into an elementwise ``[rows, chunks, 4]`` accumulator (no per-chunk sum).
 - Accumulation in float32 throughout; each token's sums stay in registers (``T`` is a static
   loop over one load of the codes, so extra tokens cost flops, not bytes).
 
+What the SASS shows (Triton 3.9, ``ptxas`` for sm_90, 4 warps, default blocks; XLA compiles the same
+Triton IR with its own Triton, so close, not exact): the main loop is 3.61 instructions per weight for
+int8 (``LOP3``, ``FADD``, ``FFMA`` one per weight, a shift per word, 20 for addresses, loads and the
+loop: 231 per 64 weights per thread; the version before 5.50) and 3.83 for int4-g128 (3.0 per weight
+plus the per-chunk sum, scale, offset, their fp16 loads and conversions, addresses; before 7.39), no
+barrier, 71 and 96 registers (before 94 and 156), no spills. Exact float32 products cost three
+instructions per weight on the CUDA cores (decode, exact subtraction, FMA), so this is near the
+floor; int4 stays issue-bound near 4.4 TB/s at best. Tensor cores (``pl.dot`` of codes decoded to
+fp16) measured worse in the SASS: Pallas' Triton lowering cannot bitcast a 32-bit word into two
+halves, so the decode runs per 16-bit element (6.5 instructions per weight, 2 barriers per tile).
+
 Formats (static): ``bits`` 8 (``signed`` int8 codes: int8, Q8_0) or 4 (packed nibbles: int4, Q4_0,
 Q4_1), a float16/float32 scale per group of ``group_size`` columns (``group_size == in``: per row),
-optional float offsets per group, a constant ``zero``. Rows past ``out`` and chunks past ``in`` are
-masked, so any number of rows runs; ``in`` and the group must be multiples of a chunk's columns
-(16 for 8 bits, 32 for 4 bits).
+optional float offsets per group, a constant ``zero``. A last row block moves back to end at the last
+row (rows it shares with the block before are not stored; fewer rows than a block are clamped and
+masked) and chunks past ``in`` meet ``x``'s zero padding, so any number of rows runs; ``in`` and the
+group must be multiples of a chunk's columns (16 for 8 bits, 32 for 4 bits).
 """
 
 from __future__ import annotations
@@ -50,18 +73,29 @@ from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2
 
 _MAGIC = 0x4B000000  # the bits of float32 2^23: ORing an integer below 2^23 into it gives 2^23 + q
 _CHUNK = 16  # bytes of a row's codes one thread reduces in registers (one 16-byte load)
+_WORDS = _CHUNK // 4  # the chunk as 32-bit words
 # Programs to aim for when choosing ``split_k`` by default: a few per SM of an H200 (132 SMs).
 _TARGET_PROGRAMS = 512
 
 
-def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
-            block_rows, block_chunks):
-    if bits == 4:
-        xlo_ref, xhi_ref, *refs = refs
-        x_refs = (xlo_ref, xhi_ref)
-    else:
-        x_ref, *refs = refs
-        x_refs = (x_ref,)
+def _fields(bits: int) -> list[tuple[int, int]]:
+    """Where ``decode`` finds code ``p`` of a 32-bit word (bits ``[bits*p, bits*p + bits)``): the word
+    shifted right by ``shift``, the code at bit ``offset`` of that. Codes in the low 20 bits stay in
+    place (inside 2^23's mantissa); the rest come from the word shifted right by 12, one shift shared
+    by its upper codes, which land at bits 4-19: never at bit 0, where ptxas turns shift-and-mask into
+    a byte or bit-field extract and then needs a second instruction for the magic (measured in the SASS:
+    a shift by 16 cost int8 6 integer instructions per word, this 5)."""
+    out = []
+    for p in range(32 // bits):
+        lo = bits * p
+        shift = 0 if lo + bits <= 20 else 12
+        out.append((shift, lo - shift))
+    return out
+
+
+def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
+            block_rows, block_chunks, prefetch):
+    x_ref, *refs = refs
     if has_offsets:
         xsum_ref, *refs = refs
     codes_ref, scales_ref, *refs = refs
@@ -70,64 +104,113 @@ def _kernel(*refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chu
     (o_ref,) = refs
     num_rows = codes_ref.shape[0]
     i, s = pl.program_id(0), pl.program_id(1)
-    r = i * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    rows = jnp.minimum(r, num_rows - 1)  # rows past the end re-read the last one; their store is masked
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, _CHUNK), 1)
+    iota = jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    if num_rows >= block_rows:
+        # the last block moves back to end at the last row (rows it shares with the block before are
+        # not stored twice): row indices stay affine, so the loads' addresses are one base plus
+        # immediate offsets (clamped indices cost address arithmetic per load)
+        r0 = jnp.minimum(i * block_rows, num_rows - block_rows)
+        r, row_ok = r0 + iota, r0 + iota >= i * block_rows
+        rows = r[:, None, None]
+    else:
+        r = i * block_rows + iota
+        row_ok = r < num_rows
+        # rows past the end re-read the last one; their store is masked
+        rows = jnp.minimum(r, num_rows - 1)[:, None, None]
+    word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
+    byte = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 4), 3)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _CHUNK), 2)
+    shape = (block_rows, block_chunks, _WORDS)
 
     def chunk_index(t):
-        k = (s * tiles + t) * block_chunks + jax.lax.broadcasted_iota(jnp.int32, (block_chunks,), 0)
-        return k < chunks, jnp.minimum(k, chunks - 1)
+        """Tile ``t``'s chunk indices ``[1, BC, 1]``: as they are (x, zero-padded past ``chunks``)
+        and clamped (the codes: chunks past the end re-read the last one, and meet x's zeros)."""
+        k = (s * tiles + t) * block_chunks + jax.lax.broadcasted_iota(jnp.int32, (1, block_chunks, 1), 1)
+        return k, jnp.minimum(k, chunks - 1)
 
     def load(t):
-        """Tile ``t``'s codes ``[R, BC, 16]`` and its chunks' scales and offsets ``[R, BC]``, as
-        stored; nothing is read for ``t == tiles`` (the prefetch past the last tile)."""
+        """Tile ``t``'s code words ``[R, BC, 4]`` and its chunks' scales and offsets ``[R, BC, 1]``,
+        as stored. The codes are read as bytes, one 16-byte load per chunk, and assembled into
+        little-endian 32-bit words, which LLVM folds back into the loaded registers (the SASS has no
+        instruction for it). Not ``bitcast_convert_type`` outside: XLA (on CPU at least) expands a bitcast
+        that changes the element size into a copy of the whole weight, every call."""
         _, kc = chunk_index(t)
-        live = t < tiles
-        c = plgpu.load(codes_ref.at[rows[:, None, None], kc[None, :, None], col[None]],
-                       mask=jnp.full((block_rows, block_chunks, _CHUNK), live), other=0)
+        b = plgpu.load(codes_ref.at[rows, kc, col])
+        if b.dtype != jnp.uint8:
+            b = jax.lax.bitcast_convert_type(b, jnp.uint8)
+        b = b.reshape(block_rows, block_chunks, _WORDS, 4).astype(jnp.uint32)
+        c = jnp.sum(b << (8 * byte).astype(jnp.uint32), axis=3)
         if per_row:
             return (c,)
         g = kc // chunks_per_group  # a chunk lies in one group
-        live2 = jnp.full((block_rows, block_chunks), live)
-        return (c, *(plgpu.load(ref.at[rows[:, None], g[None, :]], mask=live2, other=0)
-                     for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
+        return (c, *(plgpu.load(ref.at[rows, g]) for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
 
-    def step(t, carry):
-        acc, tile = carry
-        nxt = load(t + 1)  # issued before this tile's math, so its latency hides behind it
-        k_ok, kc = chunk_index(t)
-        c = tile[0]
-        if c.dtype != jnp.uint8:  # int8 codes: the same bytes
-            c = jax.lax.bitcast_convert_type(c, jnp.uint8)
-        c = c.astype(jnp.uint32)
-        if bits == 4:
-            parts, sub = ((c & 15) | _MAGIC, (c >> 4) | _MAGIC), 8388608.0 + zero
-        elif signed:
-            parts, sub = (c ^ (128 | _MAGIC),), 8388608.0 + 128 + zero
-        else:
-            parts, sub = (c | _MAGIC,), 8388608.0 + zero
-        w = [jax.lax.bitcast_convert_type(p, jnp.float32) - sub for p in parts]
+    fields = _fields(bits)
+    offsets = sorted({off for _, off in fields})
+    sign = 1 << (bits - 1) if signed else 0
+    # the constants ORed into the codes, read from memory: as literals ptxas re-materializes the
+    # second constant of each AND-OR with a move per code (measured in the SASS: +1 per weight)
+    magic = [magic_ref[j] for j in range(magic_ref.shape[0])]
+
+    def decode(c):
+        """The word's codes as exact floats ``(q - zero) * 2^offset``: masked in place and ORed
+        (XORed: int8 codes' sign bit is flipped, making them unsigned) into 2^23's mantissa, then one
+        exact subtraction; x is prescaled by ``2^-offset`` to match."""
+        shifted = {sh: c >> sh if sh else c for sh in {sh for sh, _ in fields}}
+        out = []
+        for sh, off in fields:
+            f = (shifted[sh] & (((1 << bits) - 1) << off)) ^ magic[offsets.index(off) if signed else 0]
+            out.append(jax.lax.bitcast_convert_type(f, jnp.float32) - float(2 ** 23 + (sign + zero) * 2 ** off))
+        return out
+
+    def compute(t, acc, tile):
+        k, _ = chunk_index(t)
+        w = decode(tile[0])
         sc, off = [a.astype(jnp.float32) for a in tile[1:]] + [None] * (3 - len(tile))
         new = []
         for tok in range(tokens):
-            # chunks past the end: x (and its sums) load as 0, so their clamped codes add nothing
-            mask = jnp.broadcast_to(k_ok[:, None], (block_chunks, _CHUNK))
-            xs = [plgpu.load(xr.at[tok, kc[:, None], col], mask=mask, other=0.0) for xr in x_refs]
-            part = sum(jnp.sum(wp * xp[None], axis=2) for wp, xp in zip(w, xs))  # [R, BC], in-thread sums
+            # x is read as [1, BC, 4], the codes' layout broadcast over rows: no shuffle between threads
+            part = acc[tok] if per_row else None
+            for p, wp in enumerate(w):
+                xp = plgpu.load(x_ref.at[tok, p, k, word])
+                part = wp * xp if part is None else part + wp * xp  # a chain of fused multiply-adds
             if not per_row:
-                part = part * sc
+                part = acc[tok] + jnp.sum(part, axis=2, keepdims=True) * sc
                 if has_offsets:
-                    part = part + off * plgpu.load(xsum_ref.at[tok, kc], mask=k_ok, other=0.0)[None]
-            new.append(acc[tok] + part)  # elementwise: one cross-thread reduction, after the loop
-        return tuple(new), nxt
+                    part = part + off * plgpu.load(xsum_ref.at[tok, k])
+            new.append(part)  # elementwise: one cross-thread reduction, after the loop
+        return tuple(new)
 
-    init = tuple(jnp.zeros((block_rows, block_chunks), jnp.float32) for _ in range(tokens))
-    acc, _ = jax.lax.fori_loop(0, tiles, step, (init, load(0)))
-    acc = [jnp.sum(a, axis=1) for a in acc]
+    def step(t, carry):
+        acc, *tiles_ahead = carry
+        nxt = load(t + depth)
+        return compute(t, acc, tiles_ahead[0]), *tiles_ahead[1:], nxt
+
+    def steps(j, carry):
+        # ``depth`` steps per iteration: each prefetch lands in the registers of the tile it replaces,
+        # so the loop carries no register copies (with one step, ``depth`` 2 cost a move per register)
+        for k in range(depth):
+            carry = step(j * depth + k, carry)
+        return carry
+
+    # ``depth`` tiles in flight: ptxas issues a prefetch only once the registers of the tile it
+    # replaces are free, i.e. at the end of the iteration before its use (measured in the SASS); loads
+    # ``depth`` tiles ahead still have ``depth - 1`` iterations of math to land behind. The last
+    # ``depth`` tiles run after the loop: no prefetch past the end, so no loads to mask (a masked
+    # load zero-fills its registers, an instruction per two).
+    depth = min(prefetch, tiles)
+    init = tuple(jnp.zeros(shape if per_row else shape[:2] + (1,), jnp.float32) for _ in range(tokens))
+    carry = jax.lax.fori_loop(0, (tiles - depth) // depth, steps, (init, *(load(t) for t in range(depth))))
+    for t in range((tiles - depth) // depth * depth, tiles - depth):
+        carry = step(t, carry)
+    acc, *ahead = carry
+    for j, tile in enumerate(ahead):
+        acc = compute(tiles - len(ahead) + j, acc, tile)
+    acc = [jnp.sum(a, axis=(1, 2)) for a in acc]
+    rows = rows[:, 0, 0]
     if per_row:
         row_scale = scales_ref[rows, 0].astype(jnp.float32)
         acc = [a * row_scale for a in acc]
-    row_ok = r < num_rows
     idx = jnp.where(row_ok, r, num_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0))
     for tok in range(tokens):
         # masked lanes get indices past the end: interpret mode emulates a masked scatter by
@@ -148,11 +231,13 @@ def default_blocks(out: int, n_in: int, bits: int) -> dict:
 def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
                      bits: int, group_size: int, zero: int = 0, signed: bool = False,
                      block_rows: int | None = None, block_chunks: int | None = None, split_k: int | None = None,
-                     num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                     prefetch: int = 1, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """``x [T, in] @ W.T`` as float32 ``[T, out]``, ``W`` decoded per group as ``(q - zero) * scale
     (+ offset)``: ``values`` int8 ``[out, in]`` (``bits=8``; ``signed``: int8 codes, else uint8) or
     packed nibbles uint8 ``[out, in / 2]`` (``bits=4``, GGUF order), ``scales`` (and ``offsets``)
-    ``[out, in / group_size]``. Block sizes default to ``default_blocks``."""
+    ``[out, in / group_size]``. Block sizes default to ``default_blocks``; ``prefetch``: tiles loaded
+    ahead of the one being decoded (2 holds a second tile's registers: int8 71 -> 127 per thread, int4
+    96 -> 254, where ptxas starts re-materializing constants; for the H200 run to settle)."""
     if bits not in (4, 8):
         raise ValueError(f"quantized_matvec: bits must be 4 or 8, got {bits}")
     if x.ndim != 2 or values.ndim != 2:
@@ -173,20 +258,28 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     tiles = cdiv(cdiv(chunks, block_chunks), split_k)
 
     xf = x.astype(jnp.float32)
-    if bits == 4:  # the columns each byte's low and high nibbles hold, byte for byte
-        xr = xf.reshape(tokens, chunks, 2, _CHUNK)
-        xs = [xr[:, :, 0], xr[:, :, 1]]
-    else:
-        xs = [xf.reshape(tokens, chunks, _CHUNK)]
-    operands = list(xs)
+    # x in the decoded codes' order, [T, field p, chunk, word]: column 4 * word + p of 8-bit codes;
+    # GGUF nibbles: byte p // 2 of the word, its low (column 4 * word + p // 2) or high (+ 16) nibble.
+    # Scaled by 2^-offset to undo where ``decode`` leaves each code, and zero-padded to whole tiles
+    if bits == 4:  # [T, chunk, high, word, byte] -> [T, (byte, high), chunk, word]
+        xw = xf.reshape(tokens, chunks, 2, _WORDS, 4).transpose(0, 4, 2, 1, 3)
+    else:  # [T, chunk, word, byte] -> [T, byte, chunk, word]
+        xw = xf.reshape(tokens, chunks, _WORDS, 4).transpose(0, 3, 1, 2)
+    fields = _fields(bits)
+    place = jnp.asarray([2.0 ** -off for _, off in fields], jnp.float32)
+    pad = split_k * tiles * block_chunks - chunks
+    xw = xw.reshape(tokens, len(fields), chunks, _WORDS) * place[:, None, None]
+    sign = 1 << (bits - 1) if signed else 0
+    magic = [_MAGIC | (sign << off) for off in (sorted({off for _, off in fields}) if signed else (0,))]
+    operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
     if offsets is not None:
-        operands.append(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1))
+        operands.append(jnp.pad(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1), ((0, 0), (0, pad))))
     operands += [values.reshape(out, chunks, _CHUNK), scales]
     if offsets is not None:
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
                                zero=zero, signed=signed, chunks=chunks, chunks_per_group=group_size // cols,
-                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks)
+                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch)
     y = pl.pallas_call(
         kernel, grid=(cdiv(out, block_rows), split_k),
         out_shape=jax.ShapeDtypeStruct((split_k, tokens, out), jnp.float32),
