@@ -183,8 +183,8 @@ def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets
 
 def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     """The kernel's own block choice (``default_blocks``: K split until the grid is large) on an
-    int4 weight of 64 x 4096 with several tokens; formats it does not take (the K-quants) and more
-    tokens than ``KERNEL_MAX_TOKENS`` keep XLA's paths, as do 8-bit codes (int8, Q8_0)."""
+    int4 weight of 64 x 4096 with several tokens; 8-bit codes (int8, Q8_0) go to it too; formats it
+    does not take (the K-quants) and more tokens than ``KERNEL_MAX_TOKENS`` keep XLA's paths."""
     calls = _gpu_with_interpreted_kernel(monkeypatch, every_format=False)
     rng = np.random.default_rng(0)
     w = _kernel_weight(rng, "int4-g128", 64, 4096)
@@ -195,7 +195,7 @@ def test_matvec_kernel_default_blocks_and_routing(monkeypatch):
     _check_linear(jnp.asarray(rng.standard_normal((matmul.KERNEL_MAX_TOKENS + 1, 4096)), jnp.float32), w)
     for scheme in ("int8", "Q8_0"):
         _check_linear(jnp.asarray(rng.standard_normal((1, 512)), jnp.float32), _kernel_weight(rng, scheme, 8, 512))
-    assert len(calls) == 1
+    assert [c["bits"] for c in calls] == [4, 8, 8]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g128", "Q8_0", "Q4_0", "Q4_1"])

@@ -220,24 +220,31 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
 
 def default_blocks(out: int, n_in: int, bits: int) -> dict:
     """Block sizes for a weight ``[out, n_in]``: ``block_rows`` 32 (16 under 4,096 rows), tiles of
-    256 bytes of codes per row, and K splits until the grid has ~``_TARGET_PROGRAMS`` programs."""
+    256 bytes of codes per row, K splits until the grid has ~``_TARGET_PROGRAMS`` programs, and
+    ``prefetch`` 2 for 8-bit codes and for 4-bit ones where a program has at most 4 tiles, else 1.
+    On the H200 (llama3-8b's five matvecs, docs/benchmarks.md) 2 tiles ahead made int8 1.09-1.17x
+    faster on all but ``wo`` (0.9x) and int4-g128 1.2-1.4x faster on ``wqkv`` and ``wo`` (2-4 tiles),
+    but 0.7-0.85x on the others, whose loops then need 254 registers per thread."""
     chunks = n_in * bits // 8 // _CHUNK
     block_rows = 32 if out >= 4096 else 16
     block_chunks = min(next_pow2(chunks), 16)
     split_k = max(1, min(cdiv(chunks, block_chunks), _TARGET_PROGRAMS // cdiv(out, block_rows)))
-    return dict(block_rows=block_rows, block_chunks=block_chunks, split_k=split_k)
+    tiles = cdiv(cdiv(chunks, block_chunks), split_k)
+    prefetch = 2 if bits == 8 or tiles <= 4 else 1
+    return dict(block_rows=block_rows, block_chunks=block_chunks, split_k=split_k, prefetch=prefetch)
 
 
 def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
                      bits: int, group_size: int, zero: int = 0, signed: bool = False,
                      block_rows: int | None = None, block_chunks: int | None = None, split_k: int | None = None,
-                     prefetch: int = 1, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                     prefetch: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                     interpret: bool = False) -> jax.Array:
     """``x [T, in] @ W.T`` as float32 ``[T, out]``, ``W`` decoded per group as ``(q - zero) * scale
     (+ offset)``: ``values`` int8 ``[out, in]`` (``bits=8``; ``signed``: int8 codes, else uint8) or
     packed nibbles uint8 ``[out, in / 2]`` (``bits=4``, GGUF order), ``scales`` (and ``offsets``)
     ``[out, in / group_size]``. Block sizes default to ``default_blocks``; ``prefetch``: tiles loaded
     ahead of the one being decoded (2 holds a second tile's registers: int8 71 -> 127 per thread, int4
-    96 -> 254, where ptxas starts re-materializing constants; for the H200 run to settle)."""
+    96 -> 254, where ptxas starts re-materializing constants)."""
     if bits not in (4, 8):
         raise ValueError(f"quantized_matvec: bits must be 4 or 8, got {bits}")
     if x.ndim != 2 or values.ndim != 2:
@@ -256,6 +263,7 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     chunks = n_in // cols
     split_k = min(split_k or blocks["split_k"], cdiv(chunks, block_chunks))
     tiles = cdiv(cdiv(chunks, block_chunks), split_k)
+    prefetch = prefetch or blocks["prefetch"]
 
     xf = x.astype(jnp.float32)
     # x in the decoded codes' order, [T, field p, chunk, word]: column 4 * word + p of 8-bit codes;

@@ -1,13 +1,11 @@
 """The matmuls that read a ``QArray``: inside the compiled step, the decode fused by XLA or in a kernel.
 
-- Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, packed nibbles with one scale (and offset) per
-  group (int4, Q4_0, Q4_1): the Pallas kernel ``pallas_kernels.qmatvec``. On the H200 it beat XLA's
-  fusion below on llama3-8b's large int4-g128 matvecs (w_gate_up 56.5 against 72.6 us, lm_head 201.5
-  against 286.7; the model's batch-1 step 4.73 -> 3.78 ms), and tied on the small ones.
-- One token on a GPU otherwise (int8, Q8_0, the K-quants): a float32 row reduction
-  ``sum(x * dequantize(W), -1)``, one loop fusion that reads only the codes and their scales. For
-  8-bit codes it measured faster than the kernel on every llama3-8b shape (w_gate_up 42.7 against
-  53.1 us; the int8 step 3.68 ms through the kernel against 3.39 through the fusion), so they stay here.
+- Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, codes with one scale (and offset) per group or
+  row (int8, Q8_0, int4, Q4_0, Q4_1): the Pallas kernel ``pallas_kernels.qmatvec``. On the H200 its
+  third version beat XLA's fusion below on all five of llama3-8b's matvecs (per layer int8 87.8
+  against 104.9 us, int4-g128 84.6 against 151.3; bf16 121.6; docs/benchmarks.md).
+- One token on a GPU otherwise (the K-quants): a float32 row reduction ``sum(x * dequantize(W),
+  -1)``, one loop fusion that reads only the codes and their scales.
 - int8 and fp8 (one scale per output row): the dot runs on the codes (converted to the activations'
   dtype, or fp8 x fp8 with a dynamic per-token activation scale) and the row scales multiply its
   output, so no float copy of the weight is scaled.
@@ -32,7 +30,7 @@ from jaxinfer.quant.schemes import FP8_MAX
 # instructions per weight (docs/benchmarks.md), so more than one waits for a measurement against XLA's
 # dot (``scripts/bench_qmatvec.py --tokens 8``).
 KERNEL_MAX_TOKENS = 1
-KERNEL_SCHEMES = ("int4", "q4_0", "q4_1")  # 4-bit only: see the module docstring
+KERNEL_SCHEMES = ("int8", "q8_0", "int4", "q4_0", "q4_1")
 
 
 def _precision(dtype):
