@@ -34,7 +34,7 @@ from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 from jaxinfer.pallas_kernels import get_kernels
 from jaxinfer.quant import cpu_kernel
-from jaxinfer.sampling import VerifyResult
+from jaxinfer.sampling import SampleResult, VerifyResult
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -355,8 +355,9 @@ class LLMEngine:
         else:
             if batch.seqs:
                 k = self.config.num_speculative_tokens if any(s.draft_token_ids for s in batch.seqs) else 0
-                steps = self._num_steps(batch)
-                self._inflight = (batch, self.runner.run(batch, k, steps), self._dispatched(batch, steps))
+                result = self.runner.run(batch, k, self._num_steps(batch))
+                steps = result.tokens.shape[1] if isinstance(result, SampleResult) and result.tokens.ndim == 2 else 1
+                self._inflight = (batch, result, self._dispatched(batch, steps))
                 self.counters["spec_steps"] += bool(k)
             if speculate:
                 for seq in self.scheduler.running:  # proposals of sequences the budget left out of this step

@@ -425,12 +425,18 @@ class ModelRunner:
                 num_steps: int = 1):
         """The compiled step on ``prepare``'s arrays: ``(result, cache, last_tokens)``, not yet stored
         (``feeds_next``: whether they will be, which followers of a multi-process run mirror);
-        ``num_steps > 1``: that many decode steps at once (``_multi_fn``; one process only)."""
+        ``num_steps > 1``: that many decode steps at once (``_multi_fn``; one process only), or one
+        while a background warm-up has yet to compile them (the tokens then have no steps axis)."""
         inputs, packing = pack_inputs((tokens, positions, md, sb))
         if num_steps > 1:
             assert not self._multihost
             args = (self.weights, self.cache, self.last_tokens, inputs)
-            return self._compiled(self._multi, args, packing, dict(flags, num_steps=num_steps))(*args)
+            # While a background warm-up runs, a multi-step decode it has not compiled yet runs as one
+            # step rather than wait (a server's first requests; ``first_steps`` leaves them out).
+            warming = self._background is not None and self._background.is_alive()
+            multi = self._compiled(self._multi, args, packing, dict(flags, num_steps=num_steps), only_if_ready=warming)
+            if multi is not None:
+                return multi(*args)
         if self._multihost:
             shape = (tokens.shape[0], *md.page_table.shape, sb.penalty_rows.shape[0])
             multihost.send_step(inputs, shape, md.decode_only, flags, feeds_next)
@@ -444,18 +450,20 @@ class ModelRunner:
     def num_executables(self) -> int:
         return len(self._executables)
 
-    def _compiled(self, fn, args, packing: Packing, flags: dict):
+    def _compiled(self, fn, args, packing: Packing, flags: dict, only_if_ready: bool = False):
         """``fn`` (the step, or a constrained step's forward or sampling half) compiled for these
         arguments' layout and these flags: from the LRU, from a compilation already under way in
         another thread (waited for), or compiled now (through the persistent compilation cache when
-        one is set), evicting the least recently used. Thread-safe: warm-up's background thread and
-        the engine's steps both come here."""
+        one is set), evicting the least recently used; ``only_if_ready``: from the LRU or None.
+        Thread-safe: warm-up's background thread and the engine's steps both come here."""
         key = (fn, packing, tuple(sorted(flags.items())))
         with self._lock:
             exe = self._executables.get(key)
             if exe is not None:
                 self._executables.move_to_end(key)
                 return exe
+            if only_if_ready:
+                return None
             pending = self._compiling.get(key)
             if pending is None:
                 pending = self._compiling[key] = concurrent.futures.Future()
@@ -618,9 +626,11 @@ class ModelRunner:
     def first_steps(self, plan):
         """The steps of ``plan`` a single request meets first: one sequence at the smallest page
         bucket, decoding (the smallest token bucket) or prefilling at the token budget (the largest),
-        greedy and sampled. What a background warm-up compiles before it returns."""
+        greedy and sampled, one step at a time (a multi-step decode not yet compiled runs as single
+        steps: ``execute``). What a background warm-up compiles before it returns."""
         b = self.buckets
-        return [x for x in plan if x[0][1:] == (b.seqs[0], b.pages[0]) and x[0][0] in (b.tokens[0], b.tokens[-1])]
+        return [x for x in plan if x[0][1:] == (b.seqs[0], b.pages[0]) and x[0][0] in (b.tokens[0], b.tokens[-1])
+                and x[3] == 1]
 
     def _warm_step(self, step, state, structured: bool, num_speculative: int) -> None:
         """Compile one step of ``warmup_plan`` (and, for a single step, its verifying and constrained
