@@ -110,3 +110,26 @@ def test_background_warmup_compiles_the_plan_once_while_serving(tmp_path):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     llm.engine.wait_warmup()
     assert runner.num_executables == len(plan) == llm.engine.num_compilations
+
+
+@pytest.mark.parametrize("layer_loop", ["indexed", "scan"])
+def test_multi_step_decode_updates_the_pool_in_place(layer_loop):
+    """The multi-step decode (``num_scheduler_steps``, 4 on CPU) writes K/V inside its loop after the
+    step read the pool: its compiled code must not copy the pool (XLA:CPU once copied it several times
+    per layer where a write could precede a read: ~28 s per SmolLM2 step; ``paged.kv_cache``). With
+    unrolled layers it did copy it at every step (two pool-shaped copies in the loop body), so there
+    the default is one step and asking for more is refused."""
+    import re
+    llm = LLM("tiny-llama3", compilation_cache_dir="", layer_loop=layer_loop, **TINY)
+    runner = llm.engine.runner
+    llm.warmup(greedy_only=True)
+    pool = ",".join(map(str, runner.cache.k.shape))
+    multi = [exe for key, exe in runner._executables.items() if key[0] is runner._multi]
+    assert multi and runner.num_scheduler_steps == 4
+    for exe in multi:
+        text = exe.as_text()
+        assert f"[{pool}]" in text and not [line for line in text.splitlines()
+                                            if re.search(r"\bcopy\(", line) and f"[{pool}]" in line]
+    assert LLM("tiny-llama3", layer_loop="unroll", **TINY).engine.runner.num_scheduler_steps == 1
+    with pytest.raises(ValueError, match="num_scheduler_steps must be 1 with layer_loop='unroll'"):
+        LLM("tiny-llama3", layer_loop="unroll", num_scheduler_steps=4, **TINY)

@@ -186,9 +186,14 @@ class LLMEngine:
         ops = Ops(**get_kernels(config.attention_backend, mc.head_dim, config.kv_cache_dtype != "auto"))
         if self.mesh is not None:
             ops = sharding.sharded_ops(ops, mc, self.mesh)
-        steps = config.num_scheduler_steps or (1 if multihost.active() else default_scheduler_steps(backend))
-        if steps > 1 and multihost.active():
-            raise ValueError(f"num_scheduler_steps must be 1 over several processes, got {steps}")
+        # Unrolled layers whose K/V are written after the step (``ops.defer_kv_write``, the CPU's) would
+        # copy the whole pool at every step of a multi-step decode: XLA:CPU cannot order the write after
+        # the unrolled layers' reads inside its loop (its optimized HLO has the copies).
+        unsafe = "over several processes" if multihost.active() else (
+            "with layer_loop='unroll' on this backend" if layer_loop == "unroll" and ops.defer_kv_write else None)
+        steps = config.num_scheduler_steps or (1 if unsafe else default_scheduler_steps(backend))
+        if steps > 1 and unsafe:
+            raise ValueError(f"num_scheduler_steps must be 1 {unsafe}, got {steps}")
         self.runner = ModelRunner(mc, weights, cache, buckets, ops, max_logprobs=config.max_logprobs, mesh=self.mesh,
                                   max_executables=config.max_executables, num_scheduler_steps=steps)
         self.blocks = BlockManager(num_pages, ps, config.enable_prefix_caching)

@@ -289,10 +289,7 @@ class ModelRunner:
             slots = jnp.where(live, md.page_table[row, pos // ps] * ps + pos % ps, md.slot_mapping)
             md_i = dataclasses.replace(md, slot_mapping=slots, seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + i, 0))
             logits, new = self._forward_tokens(weights, cache, prev, jnp.where(i == 0, tokens, fed), pos, md_i)
-            if self._ops.defer_kv_write:
-                # The scatter must follow every read of the cache: the barrier makes it wait for the
-                # logits, which depend on the last layer's attention.
-                logits, cache = jax.lax.optimization_barrier((logits, cache))
+            if self._ops.defer_kv_write:  # in place with the layers looped (not unrolled: the engine checks)
                 new = write_kv_layers(cache, *new, slots)
             result = sample(logits, dataclasses.replace(sb, step=sb.step + i), greedy_only=greedy_only,
                             num_logprobs=num_logprobs)
