@@ -105,7 +105,7 @@ def test_batched_preempted_and_prefix_cached_runs_match_alone(kv_cache_dtype, pa
     alone = LLM("tiny-llama3", **opts)
     if path == "preempt-swap":
         llm = LLM("tiny-llama3", **{**opts, "num_pages": 24, "preemption_mode": "swap"})
-        prompts, gap = make_prompts(0, 10), 3
+        prompts, gap = make_prompts(0, 10), 1
     else:
         llm = LLM("tiny-llama3", **opts)
         prompts, gap = make_prompts(2, 6, 1, 20, prefix=make_prompts(1, 1, 70, 71)[0]), 2
