@@ -131,6 +131,9 @@ def test_engine_option_validation():
         EngineConfig(page_size=0)
     with pytest.raises(ValueError, match="preemption_mode"):
         EngineConfig(preemption_mode="evict")
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
+            EngineConfig(num_scheduler_steps=bad)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         LLM("tiny-llama3", load_format="dummy", num_pages=4, max_model_len=256)
 
