@@ -1,11 +1,12 @@
 """The matmuls that read a ``QArray``: inside the compiled step, the decode fused by XLA or in a kernel.
 
-- Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, codes with one scale (and offset) per group or
-  row (int8, Q8_0, int4, Q4_0, Q4_1): the Pallas kernel ``pallas_kernels.qmatvec``. On the H200 its
-  third version beat XLA's fusion below on all five of llama3-8b's matvecs (per layer int8 87.8
-  against 104.9 us, int4-g128 84.6 against 151.3; bf16 121.6; docs/benchmarks.md).
-- One token on a GPU otherwise (the K-quants): a float32 row reduction ``sum(x * dequantize(W),
-  -1)``, one loop fusion that reads only the codes and their scales.
+- Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, int8 (a scale per row) and 4-bit codes with a
+  scale (and offset) per group (int4, Q4_0, Q4_1): the Pallas kernel ``pallas_kernels.qmatvec``. On
+  the H200 its third version beat XLA's fusion below on all five of llama3-8b's matvecs (per layer
+  int8 87.8 against 104.9 us, int4-g128 84.6 against 151.3; bf16 121.6; docs/benchmarks.md).
+- One token on a GPU otherwise (Q8_0, the K-quants): a float32 row reduction ``sum(x *
+  dequantize(W), -1)``, one loop fusion that reads only the codes and their scales. The kernel takes
+  Q8_0 too (tests check it), but only the formats above were timed against this fusion.
 - int8 and fp8 (one scale per output row): the dot runs on the codes (converted to the activations'
   dtype, or fp8 x fp8 with a dynamic per-token activation scale) and the row scales multiply its
   output, so no float copy of the weight is scaled.
@@ -30,7 +31,7 @@ from jaxinfer.quant.schemes import FP8_MAX
 # instructions per weight (docs/benchmarks.md), so more than one waits for a measurement against XLA's
 # dot (``scripts/bench_qmatvec.py --tokens 8``).
 KERNEL_MAX_TOKENS = 1
-KERNEL_SCHEMES = ("int8", "q8_0", "int4", "q4_0", "q4_1")
+KERNEL_SCHEMES = ("int8", "int4", "q4_0", "q4_1")  # Q8_0 (8-bit, a scale per 32) waits for its own timing
 
 
 def _precision(dtype):
