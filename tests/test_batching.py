@@ -312,13 +312,15 @@ def test_multi_step_decode_matches_single_steps():
     want = drive(single.engine, arrivals, params)
     assert single.engine.runner.num_steps == single.engine.stats()["steps"]
     assert want["r0"].finish_reason == "stop" and want["r0"].token_ids == free[:free.index(stop)]
-    for pool in (128, 16):
-        multi = LLM("tiny-llama3", **{**BASE, "num_scheduler_steps": 4, "num_pages": pool})
+    # a large pool; a small one (preemption); 3 slots for 8 requests (runs while the rest wait for a slot)
+    for opts in (dict(num_pages=128), dict(num_pages=16), dict(max_num_seqs=3, seq_buckets=(1, 2, 4))):
+        multi = LLM("tiny-llama3", **{**BASE, "num_scheduler_steps": 4, **opts})
         done = drive(multi.engine, arrivals, params, aborts=[("r7", 9)])
         stats = multi.engine.stats()
         runs = (stats["steps"] - multi.engine.runner.num_steps) // 3  # each counts 4 steps, 1 dispatch
-        assert runs >= (3 if pool == 128 else 1), f"{runs} dispatches ran 4 decode steps"
-        assert (stats["preemptions"] > 0) == (pool == 16)
+        least = {128: 3, 16: 1}.get(opts.get("num_pages"), 8)  # 3 slots: 12 runs; 4 if waiting stopped them
+        assert runs >= least, f"{runs} dispatches ran 4 decode steps"
+        assert (stats["preemptions"] > 0) == (opts.get("num_pages") == 16)
         for i in range(7):
             got, ref = done[f"r{i}"], want[f"r{i}"]
             assert (got.token_ids, got.finish_reason) == (ref.token_ids, ref.finish_reason), f"request {i}"

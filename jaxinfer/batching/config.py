@@ -72,8 +72,9 @@ class EngineConfig:
     - ``num_scheduler_steps`` (vLLM's multi-step scheduling): a batch in which every sequence decodes
       runs this many steps in one dispatch, the tokens streaming in runs of as many; ``None``: 4 on
       CPU, 1 elsewhere (``batching.engine.default_scheduler_steps`` says why). Runs one step at a time
-      while a request waits to be admitted, a prefill is in the batch, or penalties, speculation or
-      structured outputs are on; tokens past a stop within a run are computed and dropped.
+      while a request waits for a free slot or is preempted, a prefill is in the batch, or penalties,
+      speculation or structured outputs are on; tokens past a stop within a run are computed and
+      dropped.
     """
 
     page_size: int = 16

@@ -377,12 +377,13 @@ class LLMEngine:
         """How many decode steps ``batch`` runs in one dispatch: ``num_scheduler_steps`` where every
         sequence decodes (one token) without penalties, has room for that many tokens within
         ``max_model_len``, and the pool has their pages (``Scheduler.reserve``), while no request
-        waits to be admitted (it would wait for all of them) and nothing speculates or is
-        constrained; else one. Tokens past a request's end (EOS, a stop, ``max_tokens``) within the
+        that a free slot could take waits to be admitted (it would wait for all of them), none is
+        preempted, and nothing speculates or is constrained; else one. Tokens past a request's end (EOS, a stop, ``max_tokens``) within the
         run are computed and dropped: waiting for the request nearest its ``max_tokens`` instead
         would run most steps of a batch one at a time."""
         n, s = self.runner.num_scheduler_steps, self.scheduler
-        if n == 1 or s.waiting or s.preempted or self.proposer is not None or self._matchers:
+        admissible = s.waiting and len(s.running) < s.config.max_num_seqs
+        if n == 1 or admissible or s.preempted or self.proposer is not None or self._matchers:
             return 1
         for seq, k in zip(batch.seqs, batch.num_tokens):
             p = seq.params
