@@ -1,6 +1,7 @@
 """Perplexity of one model under each weight quantization and KV cache dtype, on the held public-domain
 text (tests/data/held_text.txt), with resident parameter bytes and how often each run's greedy next
-token agrees with the first run's: the quality tables of docs/benchmarks.md.
+token agrees with the first run's, and each scheme's perplexity on each source the text is made of
+(scored in the whole text's context): the quality tables of docs/benchmarks.md.
 
     python scripts/perplexity.py                                  # the embedded SmolLM2, all schemes
     python scripts/perplexity.py --schemes none,int8 --max_tokens 1024
@@ -15,6 +16,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from absl import app, flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,14 +33,27 @@ flags.DEFINE_list("kv_cache_dtypes", ["auto"], "KV cache dtypes to run each sche
 flags.DEFINE_integer("max_tokens", 0, "Tokens of the text to score (0: all of it).")
 flags.DEFINE_string("out", "results/perplexity.json", "Where to write the JSON results.")
 F = flags.FLAGS
+# The held text's sources, in order, by the words each one opens with.
+PASSAGES = {"Austen": "It is a truth universally", "Dickens": "It was the best of times", "Melville": "Call me Ishmael",
+            "Lincoln": "Four score and seven", "Declaration": "When in the Course", "Carroll": "Alice was beginning"}
+
+
+def passage_starts(tokenizer, text: str, n: int) -> dict[str, tuple[int, int]]:
+    """Each source's ``[start, end)`` in the tokens (the tokens of the text before it; sources open a
+    line, so the count does not depend on what follows), clipped to the ``n`` tokens scored."""
+    starts = [len(tokenizer.encode(text[:text.index(opening)])) for opening in PASSAGES.values()]
+    bounds = zip(starts, starts[1:] + [len(tokenizer.encode(text))])
+    return {name: (a, min(b, n)) for name, (a, b) in zip(PASSAGES, bounds) if a < n - 1}
 
 
 def main(argv):
     del argv
     tokenizer = load_tokenizer(resolve_model(F.model))
     with open(TEXT) as f:
-        ids = tokenizer.encode(f.read())
+        text = f.read()
+    ids = tokenizer.encode(text)
     ids = ids[:F.max_tokens] if F.max_tokens else ids
+    passages = passage_starts(tokenizer, text, len(ids))
     rows, greedy = [], []
     for scheme in F.schemes:
         config, weights = load_model(F.model, quantization=scheme)
@@ -46,7 +61,9 @@ def main(argv):
             t0 = time.perf_counter()
             s = score(weights, config, ids, kv_cache_dtype=kv)
             greedy.append(s.greedy)
-            rows.append(dict(quantization=scheme, kv_cache_dtype=kv, perplexity=s.perplexity,
+            # Position i predicts token i + 1: a source's tokens after its first are predicted at a .. b - 2.
+            by_source = {name: float(np.exp(s.nll[max(a - 1, 0):b - 1].mean())) for name, (a, b) in passages.items()}
+            rows.append(dict(quantization=scheme, kv_cache_dtype=kv, perplexity=s.perplexity, passages=by_source,
                              greedy_agreement=float((s.greedy == greedy[0]).mean()),
                              seconds=time.perf_counter() - t0,
                              param_bytes=sum(x.nbytes for x in jax.tree.leaves(weights))))
@@ -55,7 +72,8 @@ def main(argv):
     ref = rows[0]["perplexity"]
     for r in rows:
         r["vs_reference"] = r["perplexity"] / ref - 1
-    result = dict(command=" ".join(["python"] + sys.argv), model=F.model, tokens=len(ids),
+        r["passages_vs_reference"] = {k: v / rows[0]["passages"][k] - 1 for k, v in r["passages"].items()}
+    result = dict(command=" ".join(["python"] + sys.argv), model=F.model, tokens=len(ids), passage_tokens=passages,
                   device=f"{jax.devices()[0].device_kind} (jax {jax.__version__})", rows=rows)
     os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     with open(F.out, "w") as f:
@@ -67,6 +85,12 @@ def main(argv):
     for r in rows:
         print(f"| {r['quantization']} | {r['kv_cache_dtype']} | {r['perplexity']:.3f} | {r['vs_reference']:+.2%} | "
               f"{r['greedy_agreement']:.2%} | {r['param_bytes'] / 1e6:.1f} |")
+    print(f"\nBy source (tokens {passages}): perplexity, and vs {first}\n")
+    print("| quantization | KV cache | " + " | ".join(passages) + " |")
+    print("|---|---|" + "---:|" * len(passages))
+    for r in rows:
+        cells = [f"{r['passages'][k]:.2f} ({r['passages_vs_reference'][k]:+.1%})" for k in passages]
+        print(f"| {r['quantization']} | {r['kv_cache_dtype']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

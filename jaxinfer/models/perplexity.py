@@ -2,8 +2,9 @@
 
 The sequence runs as one request through the paged cache, a fixed-size chunk of tokens per step
 (one compiled shape), every token's logits kept; the mean negative log-likelihood of each next token
-is exponentiated. ``score`` also returns each position's greedy (argmax) next token, so two runs
-(say float and int8 KV) can be compared by how often their greedy choices agree on the same text.
+is exponentiated. ``score`` also returns each position's negative log-likelihood (so a text's parts
+can be scored apart: where a quantization loses) and greedy (argmax) next token, so two runs (say
+float and int8 KV) can be compared by how often their greedy choices agree on the same text.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def _chunk_nll(weights, tokens, targets, positions, cache, md, config):
 class Score:
     perplexity: float
     greedy: np.ndarray  # int32 [n - 1]: the argmax next token after each prefix ``token_ids[:i + 1]``
+    nll: np.ndarray  # float64 [n - 1]: -log p(token_ids[i + 1] | token_ids[:i + 1])
 
 
 def perplexity(weights: Weights, config: ModelConfig, token_ids, chunk: int = 256, page_size: int = 16,
@@ -53,7 +55,7 @@ def score(weights: Weights, config: ModelConfig, token_ids, chunk: int = 256, pa
     dtype = kv_storage_dtype(kv_cache_dtype, weights.final_norm.dtype)
     cache = KVCache.zeros(config.num_layers, pages, page_size, config.num_kv_heads, config.head_dim, dtype)
     page_table = jnp.arange(pages, dtype=jnp.int32)[None]
-    total, count, greedy = 0.0, 0, []
+    nlls, greedy = [], []
     for start in range(0, n - 1, chunk):
         real = min(chunk, n - 1 - start)  # tokens whose next token is known
         pos = start + np.arange(chunk, dtype=np.int32)
@@ -68,7 +70,7 @@ def score(weights: Weights, config: ModelConfig, token_ids, chunk: int = 256, pa
                            logits_indices=jnp.arange(chunk, dtype=jnp.int32))
         nll, best, cache = _chunk_nll(weights, jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(pos), cache, md,
                                 config)
-        total += float(np.sum(np.asarray(nll, np.float64)[:real]))
+        nlls.append(np.asarray(nll, np.float64)[:real])
         greedy.append(np.asarray(best)[:real])
-        count += real
-    return Score(math.exp(total / count), np.concatenate(greedy).astype(np.int32))
+    nll = np.concatenate(nlls)
+    return Score(math.exp(nll.mean()), np.concatenate(greedy).astype(np.int32), nll)
