@@ -79,6 +79,21 @@ def _filtered(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array
     return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32: the first index of each row's maximum (of its first NaN, if
+    any). On CPU XLA lowers argmax to a reduce over (value, index) pairs that it does not vectorize,
+    which took 1.6 ms of a batch-8 SmolLM2 decode step (8 x 49,152 logits; 0.22 ms at batch 1), so
+    there it is a max, then a min over the indices that reach it: 0.37 against 1.87 ms alone at 8 rows,
+    the same index (the whole decode step: 1.3% faster at batch 1, 3.0% at batch 8, in process).
+    Other platforms keep argmax."""
+    def two_pass(x):
+        m = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one: then only isnan matches
+        index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        return jnp.min(jnp.where((x == m) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+
+    return jax.lax.platform_dependent(x, cpu=two_pass, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+
 def _row_keys(b: SamplingBatch):
     """One key per row, from ``(seed, index of the generated token)``."""
     return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(b.seed, b.step)
@@ -87,7 +102,7 @@ def _row_keys(b: SamplingBatch):
 def _gumbel_argmax(masked: jax.Array, b: SamplingBatch) -> jax.Array:
     """A sample from ``softmax(masked)`` per row (Gumbel-max), keyed per row by ``_row_keys``."""
     noise = jax.vmap(lambda key: jax.random.gumbel(key, masked.shape[-1:], jnp.float32))(_row_keys(b))
-    return jnp.argmax(masked + noise, axis=-1)
+    return argmax(masked + noise)
 
 
 def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
@@ -130,7 +145,7 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     logits = logits.astype(jnp.float32)
     adjusted = logits if bitmask is None else apply_bitmask(logits, bitmask)
     adjusted = _apply_penalties(adjusted, b) if penalties else adjusted
-    greedy = jnp.argmax(adjusted, axis=-1)
+    greedy = argmax(adjusted)
     tokens = _unless_all_greedy(greedy_only, b, greedy,
                                 lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
     tokens = tokens.astype(jnp.int32)
@@ -198,7 +213,7 @@ def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     rb = _per_position(b, k1)
     flat = logits.reshape(s * k1, vocab).astype(jnp.float32)
     adjusted = _apply_penalties(flat, rb) if penalties else flat
-    target = jnp.argmax(adjusted, axis=-1).astype(jnp.int32).reshape(s, k1)
+    target = argmax(adjusted).reshape(s, k1)
     prop = jnp.concatenate([b.proposals, jnp.full((s, 1), -1, jnp.int32)], axis=1)  # position K: nothing proposed
     accept = prop == target
     accept, tokens = _unless_all_greedy(greedy_only, b, (accept, target),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import SamplingBatch, sample
+from jaxinfer.sampling import SamplingBatch, argmax, sample
 
 
 def batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0, presence=0.0, frequency=0.0,
@@ -27,6 +27,20 @@ def logits():
 def test_greedy_is_argmax(logits):
     out = sample(logits, batch(4, temperature=0.0))
     np.testing.assert_array_equal(out.tokens, np.argmax(logits, -1))
+
+
+def test_argmax_takes_the_first_maximum_and_the_first_nan():
+    """``argmax`` (two reductions on CPU) equals numpy's argmax: ties go to the first index, a row
+    with NaN gives its first NaN (never an index past the vocabulary), an all -inf row gives 0."""
+    x = np.round(np.random.default_rng(0).standard_normal((6, 1000)), 1).astype(np.float32)  # many ties
+    x[1, [7, 500]] = 9.0
+    x[2, [30, 900]] = np.nan
+    x[3] = -np.inf
+    x[4, -1] = 50.0
+    got = jax.jit(argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert list(np.asarray(got)[1:5]) == [7, 30, 0, 999]
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
