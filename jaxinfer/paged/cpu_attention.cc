@@ -100,28 +100,146 @@ void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// Rows are prefetched this many positions ahead: the pages' rows are 256-512 bytes apart (kv heads
+// interleaved) and the pages themselves scattered, which the hardware prefetchers do not follow.
+// SmolLM2's 30 layers at context 1024, one sequence, rows from memory: 9.9 -> 6.2 ms.
+constexpr int64_t kAhead = 8;
+
+inline void prefetch_row(const float* r, int64_t D) {
+#if defined(__SSE2__)
+  for (int64_t c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(r + c), _MM_HINT_T0);
+#endif
+}
+
+// Row pointers of kv head h at positions lo .. lo + n - 1 of token t's sequence: the cache's rows
+// through the page table (one lookup per page) below cached[t], this step's new rows from there.
+void rows_of(const Problem& P, int64_t t, int64_t h, int64_t lo, int64_t n, const float* cache, const float* fresh,
+             const float** out) {
+  const int64_t D = P.head_dim, row = P.kv_heads * D, cached = P.cached[t];
+  const int32_t* pages = P.page_table + int64_t(P.seq[t]) * P.pages_per_seq;
+  int64_t j = 0, at = lo;
+  while (j < n && at < cached) {
+    const int64_t slot = at % P.page_size, run = std::min({n - j, P.page_size - slot, cached - at});
+    const float* r = cache + P.layer_stride + (int64_t(pages[at / P.page_size]) * P.page_size + slot) * row + h * D;
+    for (int64_t i = 0; i < run; ++i) out[j + i] = r + i * row;
+    j += run;
+    at += run;
+  }
+  for (; j < n; ++j, ++at) out[j] = fresh + ((P.first_row[t] + at - cached) * P.kv_heads + h) * D;
+}
+
+#if defined(__AVX512F__)
+// Lane j of the result: the sum of v[j]'s 16 lanes (a transpose-and-add tree: 45 shuffles and adds
+// for 16 sums, where a reduction per vector takes 8).
+inline __m512 lane_sums(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit block k of a[i]: v[2i] and v[2i+1]'s pairs of that block
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // block k of b[i]: v[4i .. 4i + 3]'s sums over block k
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+// GN query heads' weighted sums of one 16-float column block of the value rows, in registers; the
+// first block's pass prefetches the rows ahead (the later blocks find them in L2).
+template <int GN, bool kFirst>
+void values_block(const float* s, int64_t n, const float* const* vrows, int64_t c, float* out, int64_t D) {
+  __m512 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (kFirst && j + kAhead < n) prefetch_row(vrows[j + kAhead], D);
+    const __m512 v = _mm512_loadu_ps(vrows[j] + c);
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * n + j]), v, acc[g]);
+  }
+  for (int g = 0; g < GN; ++g) _mm512_storeu_ps(out + g * D + c, acc[g]);
+}
+template <bool kFirst>
+void values_heads(int64_t gn, const float* s, int64_t n, const float* const* vrows, int64_t c, float* out, int64_t D) {
+  switch (gn) {
+    case 1: return values_block<1, kFirst>(s, n, vrows, c, out, D);
+    case 2: return values_block<2, kFirst>(s, n, vrows, c, out, D);
+    case 3: return values_block<3, kFirst>(s, n, vrows, c, out, D);
+    case 4: return values_block<4, kFirst>(s, n, vrows, c, out, D);
+    case 5: return values_block<5, kFirst>(s, n, vrows, c, out, D);
+    case 6: return values_block<6, kFirst>(s, n, vrows, c, out, D);
+    case 7: return values_block<7, kFirst>(s, n, vrows, c, out, D);
+    default: return values_block<8, kFirst>(s, n, vrows, c, out, D);
+  }
+}
+
+// Scores of one query head against key rows j0 .. j0 + m - 1 (m <= 16), DB blocks of 16 columns: q
+// held in registers, each row's 16-lane partial products summed by lane_sums.
+template <int DB>
+inline __m512 block_scores(const float* q, const float* const* krows, int m) {
+  __m512 qv[DB], part[16];
+  for (int c = 0; c < DB; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int j = 0; j < 16; ++j) {
+    part[j] = _mm512_setzero_ps();
+    for (int c = 0; j < m && c < DB; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krows[j] + 16 * c), part[j]);
+  }
+  return lane_sums(part);
+}
+#endif
+
+// s[g * n + j] = scale * q_g . k_j for G query heads against n key rows.
+void scores_of(const float* q, const float* const* krows, int64_t n, int64_t G, int64_t D, float scale, float* s) {
+#if defined(__AVX512F__)
+  if (D == 64 || D == 128) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int m = int(std::min<int64_t>(16, n - j0));
+      for (int64_t j = j0 + 16; j < std::min(n, j0 + 32); ++j) prefetch_row(krows[j], D);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 sums = D == 64 ? block_scores<4>(q + g * D, krows + j0, m) : block_scores<8>(q + g * D, krows + j0, m);
+        _mm512_mask_storeu_ps(s + g * n + j0, __mmask16((1u << m) - 1), _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_row(krows[j + kAhead], D);
+    for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(q + g * D, krows[j], D) * scale;
+  }
+}
+
+// out[g] = sum_j s[g * n + j] v_j for G query heads (out zeroed by the caller).
+void values_of(const float* s, const float* const* vrows, int64_t n, int64_t G, int64_t D, float* out) {
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row(vrows[j], D);
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {  // one column block at a time for up to 8 heads, the sums in registers
+    for (int64_t c = 0; c < D; c += 16)
+      for (int64_t g = 0; g < G; g += 8) {
+        const int64_t gn = std::min<int64_t>(8, G - g);
+        if (c == 0 && g == 0) {
+          values_heads<true>(gn, s + g * n, n, vrows, c, out + g * D, D);
+        } else {
+          values_heads<false>(gn, s + g * n, n, vrows, c, out + g * D, D);
+        }
+      }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_row(vrows[j + kAhead], D);
+    for (int64_t g = 0; g < G; ++g) axpy(s[g * n + j], vrows[j], out + g * D, D);
+  }
+}
+
 // Token t, kv head h: the output rows of its group's query heads.
-void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores) {
+void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores, std::vector<const float*>& rows) {
   const int64_t D = P.head_dim, G = P.heads / P.kv_heads;
   float* out = P.out + (t * P.heads + h * G) * D;
   std::fill(out, out + G * D, 0.0f);
   const int64_t p = P.pos[t];
   if (p < 0) return;
   const int64_t lo = std::max<int64_t>(0, p - P.window + 1), n = p + 1 - lo;
-  const int64_t cached = P.cached[t];
-  const int32_t* pages = P.page_table + int64_t(P.seq[t]) * P.pages_per_seq;
-  const int64_t row = P.kv_heads * D;  // floats per cached position (one page's row)
-  auto key = [&](int64_t at, const float* cache, const float* fresh) -> const float* {
-    if (at < cached)
-      return cache + P.layer_stride + (int64_t(pages[at / P.page_size]) * P.page_size + at % P.page_size) * row + h * D;
-    return fresh + ((P.first_row[t] + at - cached) * P.kv_heads + h) * D;
-  };
   scores.resize(G * n);
-  const float* q = P.q + (t * P.heads + h * G) * D;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = key(lo + j, P.k_cache, P.new_k);
-    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, k, D) * P.scale;
-  }
+  rows.resize(n);
+  rows_of(P, t, h, lo, n, P.k_cache, P.new_k, rows.data());
+  scores_of(P.q + (t * P.heads + h * G) * D, rows.data(), n, G, D, P.scale, scores.data());
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * n;
     if (P.soft_cap > 0)
@@ -134,10 +252,8 @@ void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores) 
     const float inv = 1.0f / total;
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;  // normalized here: the output is a weighted sum
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = key(lo + j, P.v_cache, P.new_v);
-    for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + j], v, out + g * D, D);
-  }
+  rows_of(P, t, h, lo, n, P.v_cache, P.new_v, rows.data());
+  values_of(scores.data(), rows.data(), n, G, D, out);
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> new_k,
@@ -156,7 +272,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
                   l * cd[1] * cd[2] * cd[3] * cd[4], window.typed_data()[0], scale, soft_cap};
   jaxinfer::parallel_for(pool, 0, qd[0] * cd[3], [&P](int64_t i) {
     thread_local std::vector<float> scores;
-    attend(P, i / P.kv_heads, i % P.kv_heads, scores);
+    thread_local std::vector<const float*> rows;
+    attend(P, i / P.kv_heads, i % P.kv_heads, scores, rows);
   });
   return ffi::Error::Success();
 }
