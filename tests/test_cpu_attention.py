@@ -55,6 +55,10 @@ CASES = {
     "head_dim_128_mha": ([(40, 3)], 4, dict(kv_heads=2, group=1, head_dim=128)),
     "soft_cap": ([(50, 2), (7, 1)], 4, dict(soft_cap=5.0)),
     "window": ([(90, 3), (10, 1)], 4, dict(window=32)),
+    # long contexts: each token's context split into several work items (spans), merged after
+    "long_contexts_in_spans": ([(700, 1), (299, 2), (3, 1)], 4, dict(pages_per_seq=48)),
+    "long_window_in_spans": ([(500, 2), (40, 1)], 4, dict(window=333, pages_per_seq=32, soft_cap=20.0)),
+    "long_head_dim_128": ([(400, 1)], 1, dict(kv_heads=2, group=4, head_dim=128, pages_per_seq=32)),
 }
 
 

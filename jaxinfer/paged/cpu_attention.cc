@@ -5,8 +5,11 @@
 // positions p' <= pos[t] (and > pos[t] - window) of its sequence: those below cached[t] from the
 // cache (layer `layer`, through the page table), the others from this step's new K/V rows
 // first_row[t] + (p' - cached[t]) (the cache is written after the layer loop: Ops.defer_kv_write).
-// One work item per (token, kv head): its query heads' scores against each key row (read once for
-// all of them), a softmax, then the value rows weighed by it; float32 throughout.
+// Work items are spans of a token's context (about 4 per thread over the step, so one long context
+// spreads over the threads): every query head's scores against the span's key rows (a position's kv
+// heads lie side by side, so an item streams whole rows, prefetched ahead), an unnormalized softmax,
+// the value rows weighed by it; then each token's spans are merged by their maxima and sums (as
+// flash-decoding does). Float32 throughout.
 
 #include <algorithm>
 #include <cmath>
@@ -100,32 +103,38 @@ void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
-// Rows are prefetched this many positions ahead: the pages' rows are 256-512 bytes apart (kv heads
-// interleaved) and the pages themselves scattered, which the hardware prefetchers do not follow.
-// SmolLM2's 30 layers at context 1024, one sequence, rows from memory: 9.9 -> 6.2 ms.
+// Rows are prefetched this many positions ahead, into L2: pages are scattered, which the hardware
+// prefetchers do not follow (SmolLM2's 30 layers at context 1024, one sequence, rows from memory:
+// 9.9 -> 6.2 ms with prefetching into L1 alone; into L2, 1.07-1.29x faster again than into L1,
+// where the misses in flight are fewer).
 constexpr int64_t kAhead = 8;
+// Positions per work item at the least: fewer make the merge of the items' partial sums cost more
+// than the balance across threads gains.
+constexpr int64_t kMinSpan = 64;
 
-inline void prefetch_row(const float* r, int64_t D) {
+// The first n floats from r (whole 64-byte lines), into L2.
+inline void prefetch_row(const float* r, int64_t n) {
 #if defined(__SSE2__)
-  for (int64_t c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(r + c), _MM_HINT_T0);
+  for (int64_t c = 0; c < n; c += 16) _mm_prefetch(reinterpret_cast<const char*>(r + c), _MM_HINT_T1);
 #endif
 }
 
-// Row pointers of kv head h at positions lo .. lo + n - 1 of token t's sequence: the cache's rows
-// through the page table (one lookup per page) below cached[t], this step's new rows from there.
-void rows_of(const Problem& P, int64_t t, int64_t h, int64_t lo, int64_t n, const float* cache, const float* fresh,
+// Where positions lo .. lo + n - 1 of token t's sequence start (kv head 0; head h is h * head_dim
+// further): the cache's rows through the page table (one lookup per page) below cached[t], this
+// step's new rows from there. Both hold a position's kv heads side by side.
+void rows_of(const Problem& P, int64_t t, int64_t lo, int64_t n, const float* cache, const float* fresh,
              const float** out) {
-  const int64_t D = P.head_dim, row = P.kv_heads * D, cached = P.cached[t];
+  const int64_t row = P.kv_heads * P.head_dim, cached = P.cached[t];
   const int32_t* pages = P.page_table + int64_t(P.seq[t]) * P.pages_per_seq;
   int64_t j = 0, at = lo;
   while (j < n && at < cached) {
     const int64_t slot = at % P.page_size, run = std::min({n - j, P.page_size - slot, cached - at});
-    const float* r = cache + P.layer_stride + (int64_t(pages[at / P.page_size]) * P.page_size + slot) * row + h * D;
+    const float* r = cache + P.layer_stride + (int64_t(pages[at / P.page_size]) * P.page_size + slot) * row;
     for (int64_t i = 0; i < run; ++i) out[j + i] = r + i * row;
     j += run;
     at += run;
   }
-  for (; j < n; ++j, ++at) out[j] = fresh + ((P.first_row[t] + at - cached) * P.kv_heads + h) * D;
+  for (; j < n; ++j, ++at) out[j] = fresh + (P.first_row[t] + at - cached) * row;
 }
 
 #if defined(__AVX512F__)
@@ -143,56 +152,62 @@ inline __m512 lane_sums(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-// GN query heads' weighted sums of one 16-float column block of the value rows, in registers; the
-// first block's pass prefetches the rows ahead (the later blocks find them in L2).
-template <int GN, bool kFirst>
-void values_block(const float* s, int64_t n, const float* const* vrows, int64_t c, float* out, int64_t D) {
+// GN query heads' weighted sums of one 16-float column block (at `col` of each row), in registers,
+// into out (heads `stride` apart); pf > 0: prefetch that many floats of the rows ahead (the first
+// pass over them).
+template <int GN>
+void values_block(const float* s, int64_t n, const float* const* rows, int64_t col, int64_t pf, float* out,
+                  int64_t stride) {
   __m512 acc[GN];
   for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    if (kFirst && j + kAhead < n) prefetch_row(vrows[j + kAhead], D);
-    const __m512 v = _mm512_loadu_ps(vrows[j] + c);
+    if (pf && j + kAhead < n) prefetch_row(rows[j + kAhead], pf);
+    const __m512 v = _mm512_loadu_ps(rows[j] + col);
     for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * n + j]), v, acc[g]);
   }
-  for (int g = 0; g < GN; ++g) _mm512_storeu_ps(out + g * D + c, acc[g]);
+  for (int g = 0; g < GN; ++g) _mm512_storeu_ps(out + g * stride, acc[g]);
 }
-template <bool kFirst>
-void values_heads(int64_t gn, const float* s, int64_t n, const float* const* vrows, int64_t c, float* out, int64_t D) {
+
+void values_heads(int64_t gn, const float* s, int64_t n, const float* const* rows, int64_t col, int64_t pf, float* out,
+                  int64_t stride) {
   switch (gn) {
-    case 1: return values_block<1, kFirst>(s, n, vrows, c, out, D);
-    case 2: return values_block<2, kFirst>(s, n, vrows, c, out, D);
-    case 3: return values_block<3, kFirst>(s, n, vrows, c, out, D);
-    case 4: return values_block<4, kFirst>(s, n, vrows, c, out, D);
-    case 5: return values_block<5, kFirst>(s, n, vrows, c, out, D);
-    case 6: return values_block<6, kFirst>(s, n, vrows, c, out, D);
-    case 7: return values_block<7, kFirst>(s, n, vrows, c, out, D);
-    default: return values_block<8, kFirst>(s, n, vrows, c, out, D);
+    case 1: return values_block<1>(s, n, rows, col, pf, out, stride);
+    case 2: return values_block<2>(s, n, rows, col, pf, out, stride);
+    case 3: return values_block<3>(s, n, rows, col, pf, out, stride);
+    case 4: return values_block<4>(s, n, rows, col, pf, out, stride);
+    case 5: return values_block<5>(s, n, rows, col, pf, out, stride);
+    case 6: return values_block<6>(s, n, rows, col, pf, out, stride);
+    case 7: return values_block<7>(s, n, rows, col, pf, out, stride);
+    default: return values_block<8>(s, n, rows, col, pf, out, stride);
   }
 }
 
-// Scores of one query head against key rows j0 .. j0 + m - 1 (m <= 16), DB blocks of 16 columns: q
+// Scores of one query head against rows[0 .. m - 1] + off (m <= 16), DB blocks of 16 columns: q
 // held in registers, each row's 16-lane partial products summed by lane_sums.
 template <int DB>
-inline __m512 block_scores(const float* q, const float* const* krows, int m) {
+inline __m512 block_scores(const float* q, const float* const* rows, int64_t off, int m) {
   __m512 qv[DB], part[16];
   for (int c = 0; c < DB; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int j = 0; j < 16; ++j) {
     part[j] = _mm512_setzero_ps();
-    for (int c = 0; j < m && c < DB; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krows[j] + 16 * c), part[j]);
+    for (int c = 0; j < m && c < DB; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + off + 16 * c), part[j]);
   }
   return lane_sums(part);
 }
 #endif
 
-// s[g * n + j] = scale * q_g . k_j for G query heads against n key rows.
-void scores_of(const float* q, const float* const* krows, int64_t n, int64_t G, int64_t D, float scale, float* s) {
+// s[g * n + j] = scale * q_g . (rows[j] + off) for G query heads against n key rows; pf > 0:
+// prefetch that many floats of the rows ahead.
+void scores_of(const float* q, const float* const* rows, int64_t off, int64_t pf, int64_t n, int64_t G, int64_t D,
+               float scale, float* s) {
 #if defined(__AVX512F__)
   if (D == 64 || D == 128) {
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int m = int(std::min<int64_t>(16, n - j0));
-      for (int64_t j = j0 + 16; j < std::min(n, j0 + 32); ++j) prefetch_row(krows[j], D);
+      for (int64_t j = j0 + 16; pf && j < std::min(n, j0 + 32); ++j) prefetch_row(rows[j], pf);
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 sums = D == 64 ? block_scores<4>(q + g * D, krows + j0, m) : block_scores<8>(q + g * D, krows + j0, m);
+        const __m512 sums = D == 64 ? block_scores<4>(q + g * D, rows + j0, off, m)
+                                    : block_scores<8>(q + g * D, rows + j0, off, m);
         _mm512_mask_storeu_ps(s + g * n + j0, __mmask16((1u << m) - 1), _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
       }
     }
@@ -200,60 +215,60 @@ void scores_of(const float* q, const float* const* krows, int64_t n, int64_t G, 
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n) prefetch_row(krows[j + kAhead], D);
-    for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(q + g * D, krows[j], D) * scale;
+    if (pf && j + kAhead < n) prefetch_row(rows[j + kAhead], pf);
+    for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(q + g * D, rows[j] + off, D) * scale;
   }
 }
 
-// out[g] = sum_j s[g * n + j] v_j for G query heads (out zeroed by the caller).
-void values_of(const float* s, const float* const* vrows, int64_t n, int64_t G, int64_t D, float* out) {
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row(vrows[j], D);
+// out + g * stride = sum_j s[g * n + j] (rows[j] + off) for G query heads (out zeroed by the
+// caller); pf as scores_of.
+void values_of(const float* s, const float* const* rows, int64_t off, int64_t pf, int64_t n, int64_t G, int64_t D,
+               float* out, int64_t stride) {
+  for (int64_t j = 0; pf && j < std::min(n, kAhead); ++j) prefetch_row(rows[j], pf);
 #if defined(__AVX512F__)
   if (D % 16 == 0) {  // one column block at a time for up to 8 heads, the sums in registers
     for (int64_t c = 0; c < D; c += 16)
-      for (int64_t g = 0; g < G; g += 8) {
-        const int64_t gn = std::min<int64_t>(8, G - g);
-        if (c == 0 && g == 0) {
-          values_heads<true>(gn, s + g * n, n, vrows, c, out + g * D, D);
-        } else {
-          values_heads<false>(gn, s + g * n, n, vrows, c, out + g * D, D);
-        }
-      }
+      for (int64_t g = 0; g < G; g += 8)
+        values_heads(std::min<int64_t>(8, G - g), s + g * n, n, rows, off + c, c == 0 && g == 0 ? pf : 0,
+                     out + g * stride + c, stride);
     return;
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n) prefetch_row(vrows[j + kAhead], D);
-    for (int64_t g = 0; g < G; ++g) axpy(s[g * n + j], vrows[j], out + g * D, D);
+    if (pf && j + kAhead < n) prefetch_row(rows[j + kAhead], pf);
+    for (int64_t g = 0; g < G; ++g) axpy(s[g * n + j], rows[j] + off, out + g * stride, D);
   }
 }
 
-// Token t, kv head h: the output rows of its group's query heads.
-void attend(const Problem& P, int64_t t, int64_t h, std::vector<float>& scores, std::vector<const float*>& rows) {
-  const int64_t D = P.head_dim, G = P.heads / P.kv_heads;
-  float* out = P.out + (t * P.heads + h * G) * D;
-  std::fill(out, out + G * D, 0.0f);
-  const int64_t p = P.pos[t];
-  if (p < 0) return;
-  const int64_t lo = std::max<int64_t>(0, p - P.window + 1), n = p + 1 - lo;
-  scores.resize(G * n);
+// One work item: token t's query heads over positions [a, a + n) of its context, every kv head (a
+// position's rows for all of them lie side by side, so the item streams whole rows). Per query head
+// into acc[head * (D + 2)]: sum_j exp(s_j - m) v_j, then m (the scores' max) and l = sum_j exp(s_j - m).
+void attend_span(const Problem& P, int64_t t, int64_t a, int64_t n, float* acc, std::vector<float>& scores,
+                 std::vector<const float*>& rows) {
+  const int64_t D = P.head_dim, G = P.heads / P.kv_heads, H = P.heads, row = P.kv_heads * D;
+  scores.resize(H * n);
   rows.resize(n);
-  rows_of(P, t, h, lo, n, P.k_cache, P.new_k, rows.data());
-  scores_of(P.q + (t * P.heads + h * G) * D, rows.data(), n, G, D, P.scale, scores.data());
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n;
+  float* s = scores.data();
+  rows_of(P, t, a, n, P.k_cache, P.new_k, rows.data());
+  for (int64_t h = 0; h < P.kv_heads; ++h)
+    scores_of(P.q + (t * H + h * G) * D, rows.data(), h * D, h == 0 ? row : 0, n, G, D, P.scale, s + h * G * n);
+  for (int64_t g = 0; g < H; ++g) {
+    float* sg = s + g * n;
     if (P.soft_cap > 0)
-      for (int64_t j = 0; j < n; ++j) s[j] = P.soft_cap * std::tanh(s[j] / P.soft_cap);
-    const float best = *std::max_element(s, s + n);
-    for (int64_t j = 0; j < n; ++j) s[j] -= best;
-    exp_inplace(s, n);
+      for (int64_t j = 0; j < n; ++j) sg[j] = P.soft_cap * std::tanh(sg[j] / P.soft_cap);
+    const float best = *std::max_element(sg, sg + n);
+    for (int64_t j = 0; j < n; ++j) sg[j] -= best;
+    exp_inplace(sg, n);
     float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) total += s[j];
-    const float inv = 1.0f / total;
-    for (int64_t j = 0; j < n; ++j) s[j] *= inv;  // normalized here: the output is a weighted sum
+    for (int64_t j = 0; j < n; ++j) total += sg[j];
+    float* stats = acc + g * (D + 2) + D;
+    stats[0] = best;
+    stats[1] = total;
+    std::fill(acc + g * (D + 2), acc + g * (D + 2) + D, 0.0f);
   }
-  rows_of(P, t, h, lo, n, P.v_cache, P.new_v, rows.data());
-  values_of(scores.data(), rows.data(), n, G, D, out);
+  rows_of(P, t, a, n, P.v_cache, P.new_v, rows.data());
+  for (int64_t h = 0; h < P.kv_heads; ++h)
+    values_of(s + h * G * n, rows.data(), h * D, h == 0 ? row : 0, n, G, D, acc + h * G * (D + 2), D + 2);
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> new_k,
@@ -270,11 +285,45 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
                   page_table.typed_data(), seq.typed_data(), pos.typed_data(), cached.typed_data(),
                   first_row.typed_data(), out->typed_data(), qd[1], cd[3], qd[2], cd[2], pd[1],
                   l * cd[1] * cd[2] * cd[3] * cd[4], window.typed_data()[0], scale, soft_cap};
-  jaxinfer::parallel_for(pool, 0, qd[0] * cd[3], [&P](int64_t i) {
+  const int64_t T = qd[0], H = P.heads, D = P.head_dim;
+  std::fill(P.out, P.out + T * H * D, 0.0f);  // padding tokens stay zero
+  // Work items: spans of each token's context, about 4 per worker over the step (whole pages, at
+  // least kMinSpan positions), so one long context spreads over the threads too.
+  std::vector<int64_t> lo(T), len(T), first(T + 1, 0);
+  int64_t total = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    lo[t] = std::max<int64_t>(0, P.pos[t] - P.window + 1);
+    len[t] = P.pos[t] < 0 ? 0 : P.pos[t] + 1 - lo[t];
+    total += len[t];
+  }
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  int64_t span = (total + 4 * workers - 1) / (4 * workers);
+  span = std::max(kMinSpan, (span + P.page_size - 1) / P.page_size * P.page_size);
+  for (int64_t t = 0; t < T; ++t) first[t + 1] = first[t] + (len[t] + span - 1) / span;
+  std::vector<float> partial(first[T] * H * (D + 2));
+  jaxinfer::parallel_for(pool, 0, first[T], [&](int64_t i) {
     thread_local std::vector<float> scores;
     thread_local std::vector<const float*> rows;
-    attend(P, i / P.kv_heads, i % P.kv_heads, scores, rows);
+    const int64_t t = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1, k = i - first[t];
+    attend_span(P, t, lo[t] + k * span, std::min(span, len[t] - k * span), partial.data() + i * H * (D + 2), scores,
+                rows);
   });
+  // Merge each token's spans: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k, M = max_k m_k.
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < H && len[t] > 0; ++g) {
+      auto part = [&](int64_t k) { return partial.data() + ((first[t] + k) * H + g) * (D + 2); };
+      const int64_t spans = first[t + 1] - first[t];
+      float best = part(0)[D], total_l = 0.0f;
+      for (int64_t k = 1; k < spans; ++k) best = std::max(best, part(k)[D]);
+      float* o = P.out + (t * H + g) * D;
+      for (int64_t k = 0; k < spans; ++k) {
+        const float w = spans == 1 ? 1.0f : std::exp(part(k)[D] - best);
+        total_l += w * part(k)[D + 1];
+        axpy(w, part(k), o, D);
+      }
+      const float inv = 1.0f / total_l;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
   return ffi::Error::Success();
 }
 

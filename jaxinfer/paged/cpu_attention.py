@@ -5,8 +5,8 @@ key and value row where it lies in the cache.
 Why: the reference (``attention.py``, still the path for longer steps and the oracle) gathers each
 key block of a sequence's pages into a copy, and XLA:CPU transposes it around its dots. In
 SmolLM2's batch-1 decode step (context 256) those copies took ~3.2 ms of thread time, against
-~12.7 ms for all of its matmuls. The kernel reads the rows in place, one (token, kv head) per
-work item on XLA's intra-op pool, and takes the step's own new K/V rows as the reference does
+~12.7 ms for all of its matmuls. The kernel reads the rows in place, spans of each token's context
+as work items on XLA's intra-op pool, and takes the step's own new K/V rows as the reference does
 (``Ops.defer_kv_write``: the cache is written after the layer loop). Float32 caches only; a
 quantized or bf16 cache, more than ``MAX_TOKENS`` tokens, no C++ compiler, or a CPU without the
 kernel's vector paths (``vectorized``): the reference.
