@@ -33,11 +33,14 @@ namespace {
 
 constexpr int kRowTile = 4;
 constexpr int kTokenTile = 4;
-// Codes are prefetched this far ahead of the block read (rows are contiguous, so past a row's end it
-// reaches the next tile's rows): one thread streaming SmolLM2's 30 MB Q8_0 lm_head at one token went
-// from 3.5 to 2.1 ms (512 bytes: 3.2, 1024: 2.6, 4096: 2.0); Q4_1, bound by its arithmetic, is unchanged.
-// One token only: in the several-token tiles (bound by their FMAs) it cost 18%.
-constexpr int kPrefetchBytes = 2048;
+// Codes are prefetched this far ahead of the block read, into L2 (rows are contiguous, so past a
+// row's end it reaches the next tile's rows): one thread streaming SmolLM2's 30 MB Q8_0 lm_head at
+// one token went from 3.5 to 2.1 ms (into L1, 512 bytes: 3.2, 1024: 2.6, 2048: 2.1, 4096: 2.0). In the
+// engine's batch-1 decode step (every weight from memory, both threads), 4 KB into L2 against 2 KB
+// into L1 was 1.06-1.13x faster over three in-process A/Bs (3 KB 1.03x, 6-8 KB 1.07-1.11x, 16 KB
+// 1.07x; 2 KB into L2 0.93x, 4 KB into L1 1.03x). One token only: in the several-token tiles (bound
+// by their FMAs) prefetching cost 18%.
+constexpr int kPrefetchBytes = 4096;
 
 // Format ids, as cpu_kernel.FORMAT_IDS.
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt4 = 3, kInt8 = 4 };
@@ -229,7 +232,7 @@ void token_tile(const Weights& w, int64_t row0, const float* d, const float* m, 
     for (int r = 0; r < R; ++r) {
 #if defined(__SSE2__)
       _mm_prefetch(reinterpret_cast<const char*>(w.values + (row0 + r) * (kFour ? w.in / 2 : w.in) +
-                                                 b * (kFour ? 16 : 32)) + kPrefetchBytes, _MM_HINT_T0);
+                                                 b * (kFour ? 16 : 32)) + kPrefetchBytes, _MM_HINT_T1);
 #endif
       V lo, hi;
       codes<kFour>(w, row0 + r, b, lo, hi);
