@@ -9,7 +9,7 @@ import numbers
 import os
 from typing import Sequence
 
-from jaxinfer.models.weights import ModelSource, gguf_reader, read_gguf_metadata
+from jaxinfer.models.weights import ModelSource, gguf_file
 from jaxinfer.user_cache import derived_from
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _convert_gguf_tokenizer(source: ModelSource, cached: str):
     tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path),
                                         local_files_only=True)
     if not tok.chat_template:
-        template = read_gguf_metadata(gguf_reader(source.path)).get("tokenizer.chat_template")
+        template = gguf_file(source.path).metadata.get("tokenizer.chat_template")
         if template:
             tok.chat_template = template
     try:

@@ -92,6 +92,82 @@ def _llama_cpp_rope_factors(config) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
+def _reader_metadata(reader) -> dict:
+    """gguf's own ``GGUFReader`` fields decoded to Python values: the oracle for ``gguf_file``."""
+    from gguf import GGUFValueType
+
+    def scalar(part, vtype):
+        return bytes(part).decode("utf-8", errors="replace") if vtype == GGUFValueType.STRING else part.item()
+
+    md = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            md[key] = [scalar(field.parts[i], field.types[1]) for i in field.data]
+        else:
+            md[key] = scalar(field.parts[field.data[0]], field.types[0])
+    return md
+
+
+def _check_gguf_file_equals_reader(path):
+    from gguf import GGUFReader
+
+    from jaxinfer.models.weights import gguf_file
+
+    gguf_file.cache_clear()
+    ours, reader = gguf_file(str(path)), GGUFReader(str(path))
+    assert ours.metadata == _reader_metadata(reader)
+    assert [t.name for t in ours.tensors] == [t.name for t in reader.tensors]
+    for a, b in zip(ours.tensors, reader.tensors):
+        assert a.tensor_type == b.tensor_type and a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        np.testing.assert_array_equal(a.data, b.data)
+    gguf_file.cache_clear()
+    return ours
+
+
+def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
+    """``gguf_file`` (our header parser) gives the same key/values and the same memory-mapped tensors
+    as gguf's ``GGUFReader``: on the embedded model (its vocabulary and merges, Q4_1, Q8_0 and F32
+    tensors) and on a file written with every value type, float and block tensors, and a non-default
+    alignment; a file that is not GGUF is a clear error."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from jaxinfer.models.weights import resolve_model
+
+    md = _check_gguf_file_equals_reader(resolve_model("smollm2-135m").path).metadata
+    assert len(md["tokenizer.ggml.tokens"]) == 49152 and md["general.architecture"] == "llama"
+    path = tmp_path / "every.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_bool("t.bool", True)
+    writer.add_int8("t.i8", -3)
+    writer.add_uint16("t.u16", 65535)
+    writer.add_int64("t.i64", -2 ** 40)
+    writer.add_float32("t.f32", 0.1)
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.strs", ["a", "", "ünïcode"])
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 1.5])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((2, 4, 6)).astype(np.float16))
+    q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    md = _check_gguf_file_equals_reader(path).metadata
+    assert md["t.strs"] == ["a", "", "ünïcode"] and md["t.i64"] == -2 ** 40 and md["t.bool"] is True
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
+    from jaxinfer.models.weights import gguf_file
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_file(str(tmp_path / "not.gguf"))
+
+
 def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):
     """A Llama-3.1 GGUF as llama.cpp writes it (rope scaling as a ``rope_freqs`` tensor, Q/K rows
     permuted, F32 tensors) reproduces transformers' logits for the same weights."""
@@ -205,8 +281,8 @@ def test_gguf_float32_weights_and_config_come_back_from_the_user_cache(tmp_path,
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, first = load_model("smollm2-135m", layer_loop="indexed")
     assert list(tmp_path.glob("jaxinfer/gguf/*/float32/0.npy")) and list(tmp_path.glob("jaxinfer/gguf/*/config.json"))
-    weights_module.gguf_reader.cache_clear()
-    monkeypatch.setattr(weights_module, "gguf_reader", lambda path: pytest.fail("the GGUF was parsed again"))
+    weights_module.gguf_file.cache_clear()
+    monkeypatch.setattr(weights_module, "gguf_file", lambda path: pytest.fail("the GGUF was parsed again"))
     config2, second = load_model("smollm2-135m", layer_loop="indexed")
     assert config2 == config
     assert jax.tree.structure(second) == jax.tree.structure(first)

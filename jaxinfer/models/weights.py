@@ -121,7 +121,7 @@ def load_config(source: ModelSource) -> ModelConfig:
         if os.path.isfile(cached):
             with open(cached) as f:
                 return _config_from_json(json.load(f))
-        config = _gguf_config(gguf_reader(source.path))
+        config = _gguf_config(gguf_file(source.path))
         def write(tmp):
             with open(tmp, "w") as f:
                 json.dump(_config_to_json(config), f)
@@ -447,34 +447,101 @@ def _match_part(matchers, suffix: str) -> str | None:
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray  # memory-mapped, as gguf's GGUFReader gives it: elements, or [..., bytes per row] of blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict  # key -> Python scalar, string or list
+    tensors: list[GGUFTensor]
+
+
+# GGUF value types (the spec's numbering) -> struct format; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
 @functools.lru_cache(maxsize=1)
-def gguf_reader(path: str):
-    """A memory-mapped ``GGUFReader``, cached: parsing the header of a large file takes seconds and
-    config, weights and tokenizer loading all need it."""
-    from gguf import GGUFReader
+def gguf_file(path: str) -> GGUFFile:
+    """A GGUF file's key/values decoded and its tensors memory-mapped, cached: config, weights and
+    tokenizer loading all need it. Parsed here, not by gguf's ``GGUFReader``, which makes a numpy view
+    of every part of every field: 2.2 s for SmolLM2 (its 49,152-token vocabulary and 48,900 merges),
+    over a quarter of the server's restart; this takes a tenth of that. The tensors' layout follows
+    ``GGUFReader`` (what ``gguf.quants.dequantize`` and ``quant.gguf.from_gguf`` take)."""
+    import struct
 
-    return GGUFReader(path)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
 
+    mm = np.memmap(path, mode="r")
+    buf = memoryview(mm)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (versions 2 and 3 are, written "
+                         f"little-endian)")
+    off = 24
 
-def read_gguf_metadata(reader) -> dict:
-    """GGUF key/values decoded to Python scalars, strings and lists (``GGUFReader`` keeps raw parts)."""
-    from gguf import GGUFValueType
+    def string():
+        nonlocal off
+        (n,) = struct.unpack_from("<Q", buf, off)
+        off += 8 + n
+        return bytes(buf[off - n:off]).decode("utf-8", errors="replace")
 
-    def scalar(part, vtype):
-        return bytes(part).decode("utf-8", errors="replace") if vtype == GGUFValueType.STRING else part.item()
+    def value(vtype):
+        nonlocal off
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            elem, count = struct.unpack_from("<IQ", buf, off)
+            off += 12
+            if elem in _GGUF_SCALARS:
+                dtype = np.dtype(_GGUF_SCALARS[elem]).newbyteorder("<")
+                out = np.frombuffer(mm, dtype, count, off).tolist()
+                off += dtype.itemsize * count
+                return out
+            return [value(elem) for _ in range(count)]
+        if vtype not in _GGUF_SCALARS:
+            raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+        fmt = "<" + _GGUF_SCALARS[vtype]
+        (v,) = struct.unpack_from(fmt, buf, off)
+        off += struct.calcsize(fmt)
+        return v
 
-    md = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            if field.types[1] == GGUFValueType.ARRAY:
-                continue  # nested arrays: no key we read uses them
-            md[key] = [scalar(field.parts[i], field.types[1]) for i in field.data]
+    metadata = {}
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        off += 4
+        metadata[key] = value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, off)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+        ttype, start = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+        off += 4 + 8 * n_dims + 12
+        infos.append((name, dims, GGMLQuantizationType(ttype), start))
+    align = metadata.get("general.alignment", 32)
+    data_start = -(-off // align) * align
+    elements = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
+    tensors = []
+    for name, dims, ttype, start in infos:
+        shape = tuple(reversed(dims))  # numpy order: GGUF lists the fastest dimension first
+        n = int(np.prod(dims))
+        if ttype.name in elements:
+            dtype, nbytes = np.dtype(elements[ttype.name]), n * np.dtype(elements[ttype.name]).itemsize
         else:
-            md[key] = scalar(field.parts[field.data[0]], vtype)
-    return md
+            block, size = GGML_QUANT_SIZES[ttype]
+            dtype, nbytes, shape = np.dtype(np.uint8), n // block * size, quant_shape_to_byte_shape(shape, ttype)
+        at = data_start + start
+        tensors.append(GGUFTensor(name, ttype, mm[at:at + nbytes].view(dtype).reshape(shape)))
+    return GGUFFile(metadata, tensors)
 
 
 # Llama-3.1 scaling as per-frequency factors: config, not weights. Phi-3's LongRoPE factors likewise.
@@ -482,11 +549,11 @@ _GGUF_ROPE_FREQS = "rope_freqs.weight"
 _GGUF_CONFIG_TENSORS = (_GGUF_ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _gguf_config(reader) -> ModelConfig:
+def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     from gguf.quants import dequantize
 
-    md = read_gguf_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    md = dict(gguf.metadata)
+    tensors = {t.name: t for t in gguf.tensors}
     md["_tied_embeddings"] = "output.weight" not in tensors
     if _GGUF_ROPE_FREQS in tensors:
         t = tensors[_GGUF_ROPE_FREQS]
@@ -511,9 +578,9 @@ def _write_cache(path: str, write) -> None:
 
 
 def _dequantized_gguf(path: str, config: ModelConfig) -> Weights:
-    """The GGUF file's weights dequantized to float32, through the user cache: parsing the header
-    (~3 s for SmolLM2: GGUFReader walks its 49,152-token vocabulary) and dequantizing (~3 s) were
-    a third of the server's start-up on the 2-core CPU; the saved arrays are memory-mapped instead.
+    """The GGUF file's weights dequantized to float32, through the user cache: dequantizing (~3 s for
+    SmolLM2) was, with parsing the header through gguf's GGUFReader then (~3 s, now ``gguf_file``), a
+    third of the server's start-up on the 2-core CPU; the saved arrays are memory-mapped instead.
     Per-layer arrays (the layout ``_load_gguf`` gives), one ``.npy`` per leaf."""
     folder = os.path.join(derived_from(path, "gguf"), "float32")
     structure = jax.tree.structure(abstract_weights(config.replace(layer_loop="unroll")))
@@ -551,8 +618,8 @@ def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | Non
     ``scheme``: matmul weights quantized by it at load (``_Assembler._mat``)."""
     from gguf.quants import dequantize
 
-    reader = gguf_reader(path)
-    family = family_for_gguf(read_gguf_metadata(reader))
+    gguf = gguf_file(path)
+    family = family_for_gguf(gguf.metadata)
     out = _Assembler(config, dtype, mesh=mesh, scheme=scheme)
 
     def read(t, part):
@@ -561,7 +628,7 @@ def _load_gguf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | Non
             return gguf_blocks.from_gguf(t.data, t.tensor_type.name, t.name)
         return dequantize(t.data, t.tensor_type)
 
-    for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor"):
+    for t in tqdm(gguf.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor"):
         if t.name in _GGUF_CONFIG_TENSORS:
             continue
         if t.name in GGUF_GLOBALS:
