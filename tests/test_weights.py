@@ -162,10 +162,14 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     writer.close()
     md = _check_gguf_file_equals_reader(path).metadata
     assert md["t.strs"] == ["a", "", "ünïcode"] and md["t.i64"] == -2 ** 40 and md["t.bool"] is True
-    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
     from jaxinfer.models.weights import gguf_file
-    with pytest.raises(ValueError, match="not a GGUF file"):
-        gguf_file(str(tmp_path / "not.gguf"))
+    data = path.read_bytes()
+    for name, content, error in [("not.gguf", b"GGML" + bytes(60), "not a GGUF file"),
+                                 ("header.gguf", data[:200], "truncated or corrupt GGUF header"),
+                                 ("data.gguf", data[:-200], "runs past the end of the file")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=error):
+            gguf_file(str(tmp_path / name))
 
 
 def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):

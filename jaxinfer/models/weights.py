@@ -490,6 +490,8 @@ def gguf_file(path: str) -> GGUFFile:
         nonlocal off
         (n,) = struct.unpack_from("<Q", buf, off)
         off += 8 + n
+        if off > len(buf):
+            raise struct.error(f"a string of {n} bytes past the end")
         return bytes(buf[off - n:off]).decode("utf-8", errors="replace")
 
     def value(vtype):
@@ -512,21 +514,25 @@ def gguf_file(path: str) -> GGUFFile:
         off += struct.calcsize(fmt)
         return v
 
-    metadata = {}
-    for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", buf, off)
-        off += 4
-        metadata[key] = value(vtype)
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, off)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
-        ttype, start = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
-        off += 4 + 8 * n_dims + 12
-        infos.append((name, dims, GGMLQuantizationType(ttype), start))
+    metadata, infos = {}, []
+    try:
+        for _ in range(n_kv):
+            key = string()
+            (vtype,) = struct.unpack_from("<I", buf, off)
+            off += 4
+            metadata[key] = value(vtype)
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from("<I", buf, off)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+            ttype, start = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+            off += 4 + 8 * n_dims + 12
+            infos.append((name, dims, GGMLQuantizationType(ttype), start))
+    except struct.error as e:  # a count or length pointing past the end
+        raise ValueError(f"{path}: truncated or corrupt GGUF header ({e})") from None
     align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"{path}: general.alignment must be a power of two, got {align!r}")
     data_start = -(-off // align) * align
     elements = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                 "I32": np.int32, "I64": np.int64}
@@ -535,11 +541,15 @@ def gguf_file(path: str) -> GGUFFile:
         shape = tuple(reversed(dims))  # numpy order: GGUF lists the fastest dimension first
         n = int(np.prod(dims))
         if ttype.name in elements:
-            dtype, nbytes = np.dtype(elements[ttype.name]), n * np.dtype(elements[ttype.name]).itemsize
+            dtype = np.dtype(elements[ttype.name])
+            nbytes = n * dtype.itemsize
         else:
             block, size = GGML_QUANT_SIZES[ttype]
             dtype, nbytes, shape = np.dtype(np.uint8), n // block * size, quant_shape_to_byte_shape(shape, ttype)
         at = data_start + start
+        if at + nbytes > len(mm):
+            raise ValueError(f"{path}: tensor {name!r} ({nbytes} bytes at {at}) runs past the end of the file "
+                             f"({len(mm)} bytes): truncated?")
         tensors.append(GGUFTensor(name, ttype, mm[at:at + nbytes].view(dtype).reshape(shape)))
     return GGUFFile(metadata, tensors)
 
