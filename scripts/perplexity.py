@@ -38,11 +38,11 @@ PASSAGES = {"Austen": "It is a truth universally", "Dickens": "It was the best o
             "Lincoln": "Four score and seven", "Declaration": "When in the Course", "Carroll": "Alice was beginning"}
 
 
-def passage_starts(tokenizer, text: str, n: int) -> dict[str, tuple[int, int]]:
-    """Each source's ``[start, end)`` in the tokens (the tokens of the text before it; sources open a
-    line, so the count does not depend on what follows), clipped to the ``n`` tokens scored."""
+def passage_starts(tokenizer, text: str, total: int, n: int) -> dict[str, tuple[int, int]]:
+    """Each source's ``[start, end)`` in the text's ``total`` tokens (the tokens of the text before it;
+    sources open a line, so the count does not depend on what follows), clipped to the ``n`` scored."""
     starts = [len(tokenizer.encode(text[:text.index(opening)])) for opening in PASSAGES.values()]
-    bounds = zip(starts, starts[1:] + [len(tokenizer.encode(text))])
+    bounds = zip(starts, starts[1:] + [total])
     return {name: (a, min(b, n)) for name, (a, b) in zip(PASSAGES, bounds) if a < n - 1}
 
 
@@ -51,9 +51,9 @@ def main(argv):
     tokenizer = load_tokenizer(resolve_model(F.model))
     with open(TEXT) as f:
         text = f.read()
-    ids = tokenizer.encode(text)
-    ids = ids[:F.max_tokens] if F.max_tokens else ids
-    passages = passage_starts(tokenizer, text, len(ids))
+    all_ids = tokenizer.encode(text)
+    ids = all_ids[:F.max_tokens] if F.max_tokens else all_ids
+    passages = passage_starts(tokenizer, text, len(all_ids), len(ids))
     rows, greedy = [], []
     for scheme in F.schemes:
         config, weights = load_model(F.model, quantization=scheme)

@@ -378,9 +378,9 @@ class LLMEngine:
         sequence decodes (one token) without penalties, has room for that many tokens within
         ``max_model_len``, and the pool has their pages (``Scheduler.reserve``), while no request
         that a free slot could take waits to be admitted (it would wait for all of them), none is
-        preempted, and nothing speculates or is constrained; else one. Tokens past a request's end (EOS, a stop, ``max_tokens``) within the
-        run are computed and dropped: waiting for the request nearest its ``max_tokens`` instead
-        would run most steps of a batch one at a time."""
+        preempted, and nothing speculates or is constrained; else one. Tokens past a request's end
+        (EOS, a stop, ``max_tokens``) within the run are computed and dropped: waiting for the request
+        nearest its ``max_tokens`` instead would run most steps of a batch one at a time."""
         n, s = self.runner.num_scheduler_steps, self.scheduler
         admissible = s.waiting and len(s.running) < s.config.max_num_seqs
         if n == 1 or admissible or s.preempted or self.proposer is not None or self._matchers:

@@ -148,7 +148,8 @@ inline __m512 lane_sums(const __m512* v) {
     b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
@@ -190,7 +191,8 @@ inline __m512 block_scores(const float* q, const float* const* rows, int64_t off
   for (int c = 0; c < DB; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int j = 0; j < 16; ++j) {
     part[j] = _mm512_setzero_ps();
-    for (int c = 0; j < m && c < DB; ++c) part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + off + 16 * c), part[j]);
+    for (int c = 0; j < m && c < DB; ++c)
+      part[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + off + 16 * c), part[j]);
   }
   return lane_sums(part);
 }
@@ -309,21 +311,23 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
                 rows);
   });
   // Merge each token's spans: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k, M = max_k m_k.
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < H && len[t] > 0; ++g) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (len[t] == 0) continue;  // padding
+    for (int64_t g = 0; g < H; ++g) {
       auto part = [&](int64_t k) { return partial.data() + ((first[t] + k) * H + g) * (D + 2); };
       const int64_t spans = first[t + 1] - first[t];
       float best = part(0)[D], total_l = 0.0f;
       for (int64_t k = 1; k < spans; ++k) best = std::max(best, part(k)[D]);
       float* o = P.out + (t * H + g) * D;
       for (int64_t k = 0; k < spans; ++k) {
-        const float w = spans == 1 ? 1.0f : std::exp(part(k)[D] - best);
+        const float w = std::exp(part(k)[D] - best);  // 1 for the span holding the maximum
         total_l += w * part(k)[D + 1];
         axpy(w, part(k), o, D);
       }
       const float inv = 1.0f / total_l;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
+  }
   return ffi::Error::Success();
 }
 
