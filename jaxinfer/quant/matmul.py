@@ -21,9 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.pallas_kernels import qmatvec_tc
 from jaxinfer.pallas_kernels.qmatvec import quantized_matvec
-from jaxinfer.pallas_kernels.qmatvec_tc import quantized_matvec_tc
 from jaxinfer.quant import cpu_kernel
 from jaxinfer.quant.qarray import QArray, dequantize
 from jaxinfer.quant.schemes import FP8_MAX
@@ -34,7 +32,6 @@ from jaxinfer.quant.schemes import FP8_MAX
 # dot (``scripts/bench_qmatvec.py --tokens 8``).
 KERNEL_MAX_TOKENS = 1
 KERNEL_SCHEMES = ("int8", "int4", "q4_0", "q4_1")  # Q8_0 (8-bit, a scale per 32) waits for its own timing
-TENSOR_CORES = True  # cases qmatvec_tc takes go to it (codes decoded to float16 on the tensor cores)
 
 
 def _precision(dtype):
@@ -60,12 +57,9 @@ def kernel_matvec(x: jax.Array, w: QArray, out_dtype, **blocks) -> jax.Array:
     description passed as static parameters. ``blocks``: the kernel's block sizes (default: its own
     choice), for benchmarks."""
     f = w.format
-    x = _scale_columns(x, w)
-    kw = dict(bits=f.bits, group_size=w.group_size, zero=f.zero, signed=f.signed, **blocks)
-    if TENSOR_CORES and qmatvec_tc.supported(x.dtype, f.bits, w.group_size, x.shape[-1], x.shape[0],
-                                             w.offsets is not None, f.signed):
-        return quantized_matvec_tc(x, w.values, w.scales, w.offsets, **kw).astype(out_dtype)
-    return quantized_matvec(x, w.values, w.scales, w.offsets, **kw).astype(out_dtype)
+    y = quantized_matvec(_scale_columns(x, w), w.values, w.scales, w.offsets, bits=f.bits, group_size=w.group_size, zero=f.zero,
+                         signed=f.signed, **blocks)
+    return y.astype(out_dtype)
 
 
 def rowsum_matvec(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
