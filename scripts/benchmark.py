@@ -239,11 +239,12 @@ def decode_step(llm, prompts):
 def profile_engine(llm, prompt, new_tokens: int) -> dict:
     """The engine's own decode loop for one request under the profiler, per step: how long the
     device was busy and how long it sat idle waiting for the host (dispatch, input copies), its
-    kernel time by kind (kernels may overlap, so these sum to more than busy), and the sampling
-    kernels timed alone. The profiler slows the host a little, so steps run slightly longer."""
+    kernel time by kind (kernels may overlap, so these sum to more than busy), its launches and the
+    top kernels by time (in the JSON), and the sampling kernels timed alone. The profiler slows the
+    host a little, so steps run slightly longer."""
     import jax
     import jax.numpy as jnp
-    from device_profile import busy_idle, device_events, kernel_times, per_kernel, split
+    from device_profile import busy_idle, device_events, kernel_times, launches, per_kernel, split
     from jaxinfer import SamplingParams
     from jaxinfer.sampling import SamplingBatch, sample
     eng = llm.engine
@@ -264,6 +265,7 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
     out = dict(profiled_ms_per_step=(busy + idle) / steps * 1e3, device_busy_ms=busy / steps * 1e3,
                device_idle_ms=idle / steps * 1e3, sampling_alone_ms=sampling * 1e3)
     out.update({k.replace("_s", "_ms"): v * 1e3 for k, v in split(per_kernel(events, steps, one_token=True)).items()})
+    out.update(launches_per_step=len(events) / steps, kernels=launches(events, steps))
     return out
 
 

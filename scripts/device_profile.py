@@ -52,6 +52,21 @@ def per_kernel(events: list[dict], calls: int = 1, one_token: bool = False) -> d
     return dict(total)
 
 
+def launches(events: list[dict], calls: int = 1, top: int = 40) -> list[dict]:
+    """The ``top`` kernels by device time per call, each with its grid and launches per call: where a
+    step's time goes kernel by kernel. The categories of ``split`` hide what the small ones cost
+    together (a quantized batch-1 step's ~12 XLA kernels per layer around its matvecs,
+    docs/benchmarks.md, issue 25)."""
+    total = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        grid = re.search(r"grid:([\d,]+)", e.get("args", {}).get("kernel_details", ""))
+        entry = total[(e["name"], grid.group(1) if grid else "")]
+        entry[0] += 1
+        entry[1] += e["dur"] * 1e-6
+    rows = [dict(name=name, grid=grid, launches=n / calls, us=t / calls * 1e6) for (name, grid), (n, t) in total.items()]
+    return sorted(rows, key=lambda r: -r["us"])[:top]
+
+
 def kernel_times(fn, *args, calls: int = 5) -> dict[str, float]:
     """Seconds of device time per call of ``fn(*args)``, by kernel name (after two warm-up calls)."""
     jax.block_until_ready(fn(*args))
