@@ -6,7 +6,8 @@
 ``PROMPTS.json`` holds token-id lists; the first is the batch-1 prompt (transformers decodes it RUNS
 times, the median reported), all of them the 8-request batch. llama.cpp runs under its own
 interpreter (``llama-cpp-python`` built from its PyPI source distribution into a separate venv, see
-docs/benchmarks.md), so this file imports only the peer it runs. Both decode greedily with EOS ignored, like the engine's run.
+docs/benchmarks.md), so this file imports only the peer it runs. Both decode greedily with EOS
+ignored, like the engine's run.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def launches(events: list[dict], calls: int = 1, top: int = 40) -> list[dict]:
         grid = re.search(r"grid:([\d,]+)", e.get("args", {}).get("kernel_details", ""))
         entry = total[(e["name"], grid.group(1) if grid else "")]
         entry[0] += 1
-        entry[1] += e["dur"] * 1e-6
-    rows = [dict(name=name, grid=grid, launches=n / calls, us=t / calls * 1e6) for (name, grid), (n, t) in total.items()]
+        entry[1] += e["dur"]  # microseconds, as the trace gives them
+    rows = [dict(name=name, grid=grid, launches=n / calls, us=us / calls) for (name, grid), (n, us) in total.items()]
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 

@@ -164,8 +164,10 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     assert md["t.strs"] == ["a", "", "ünïcode"] and md["t.i64"] == -2 ** 40 and md["t.bool"] is True
     from jaxinfer.models.weights import gguf_file
     data = path.read_bytes()
+    in_array = data.index(b"t.ints") + len("t.ints") + 4 + 12 + 4  # key, its type, element type and count, one int
     for name, content, error in [("not.gguf", b"GGML" + bytes(60), "not a GGUF file"),
                                  ("header.gguf", data[:200], "truncated or corrupt GGUF header"),
+                                 ("array.gguf", data[:in_array], "truncated or corrupt GGUF header"),
                                  ("data.gguf", data[:-200], "runs past the end of the file")]:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=error):

@@ -503,6 +503,8 @@ def gguf_file(path: str) -> GGUFFile:
             off += 12
             if elem in _GGUF_SCALARS:
                 dtype = np.dtype(_GGUF_SCALARS[elem]).newbyteorder("<")
+                if off + dtype.itemsize * count > len(buf):
+                    raise struct.error(f"an array of {count} values past the end")
                 out = np.frombuffer(mm, dtype, count, off).tolist()
                 off += dtype.itemsize * count
                 return out
