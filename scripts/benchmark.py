@@ -556,37 +556,38 @@ def cpu(results):
     greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     tokens = llm.generate([prompts[0]], greedy)[0].token_ids
     gguf = resolve_model(F.model).path
-    prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json")
-    json.dump(prompts, prompts_file)
-    prompts_file.flush()
-    llama = LlamaCppSession(F.peers_python, gguf, prompts_file.name, new) if F.peers_python else None
-    ours, theirs = [], []
-    for _ in range(F.cpu_decode_runs):  # alternating, so both see the same drift of this shared machine
-        ours.append(1 / float(run_requests(llm, [prompts[0]], [new])[2][0]))
-        theirs.append(llama.ask("decode") if llama else None)
-    wall, _, _, produced = run_requests(llm, prompts, [new] * len(prompts))
-    llama_batch = llama.ask("batch") if llama else None
-    stats = llm.engine.stats()
-    out = dict(start_up_cold_s=cold["health_s"], start_up_warm_s=warm["health_s"], start_up_cold=cold,
-               start_up_warm=warm, warmup_in_process_s=warmup_s,
-               planned_steps=len(llm.engine.runner.warmup_plan()), compilations_after_warmup=0,
-               decode_tok_s=float(np.median(ours)), decode_tok_s_runs=ours, batch8_output_tok_s=produced / wall,
-               host_ms_per_step=stats["host_time_per_step"] * 1e3)
-    out["buckets"] = bucket_times(llm)
-    out["compilations_after_warmup"] = llm.engine.num_compilations - compiled
-    del llm
-    gc.collect()
-    jax.clear_caches()
-    shutil.rmtree(cache_home)
-    peers = {"transformers": transformers_peer(gguf, prompts_file.name, new)}
-    if llama:
-        llama.close()
-        if llama.loaded and all(theirs) and llama_batch:
-            rates = [r["decode_tok_s"] for r in theirs]
-            peers["llama_cpp"] = dict(decode_tok_s=float(np.median(rates)), decode_tok_s_runs=rates,
-                                      batch_output_tok_s=llama_batch["batch_output_tok_s"],
-                                      load_s=llama.loaded["load_s"], tokens=theirs[0]["tokens"])
-    prompts_file.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as prompts_file:  # closed (deleted) on any exit
+        json.dump(prompts, prompts_file)
+        prompts_file.flush()
+        llama = LlamaCppSession(F.peers_python, gguf, prompts_file.name, new) if F.peers_python else None
+        try:
+            ours, theirs = [], []
+            for _ in range(F.cpu_decode_runs):  # alternating, so both see the same drift of this shared machine
+                ours.append(1 / float(run_requests(llm, [prompts[0]], [new])[2][0]))
+                theirs.append(llama.ask("decode") if llama else None)
+            wall, _, _, produced = run_requests(llm, prompts, [new] * len(prompts))
+            llama_batch = llama.ask("batch") if llama else None
+        finally:  # the peer's process does not outlive a failed run
+            if llama:
+                llama.close()
+        stats = llm.engine.stats()
+        out = dict(start_up_cold_s=cold["health_s"], start_up_warm_s=warm["health_s"], start_up_cold=cold,
+                   start_up_warm=warm, warmup_in_process_s=warmup_s,
+                   planned_steps=len(llm.engine.runner.warmup_plan()), compilations_after_warmup=0,
+                   decode_tok_s=float(np.median(ours)), decode_tok_s_runs=ours,
+                   batch8_output_tok_s=produced / wall, host_ms_per_step=stats["host_time_per_step"] * 1e3)
+        out["buckets"] = bucket_times(llm)
+        out["compilations_after_warmup"] = llm.engine.num_compilations - compiled
+        del llm
+        gc.collect()
+        jax.clear_caches()
+        shutil.rmtree(cache_home)
+        peers = {"transformers": transformers_peer(gguf, prompts_file.name, new)}
+    if llama and llama.loaded and all(theirs) and llama_batch:
+        rates = [r["decode_tok_s"] for r in theirs]
+        peers["llama_cpp"] = dict(decode_tok_s=float(np.median(rates)), decode_tok_s_runs=rates,
+                                  batch_output_tok_s=llama_batch["batch_output_tok_s"],
+                                  load_s=llama.loaded["load_s"], tokens=theirs[0]["tokens"])
     for name, r in peers.items():
         if r:
             out[f"{name}_decode_tok_s"] = r["decode_tok_s"]
