@@ -78,6 +78,8 @@ def test_bad_kv_cache_dtype_names_the_allowed_values():
         LLM("tiny-llama3", load_format="dummy", kv_cache_dtype="float16")
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's pool bound (cpu_kv_cache_gib) is the "
+                    "subject; an accelerator's pool is sized by the free memory earlier tests' engines still hold")
 def test_quantized_pool_holds_about_twice_bf16s_pages():
     """Bytes per page: codes plus a 4-byte scale per token and kv head, 0.52x of bf16's at head_dim
     128 (llama3-8b's), so a pool of the same bytes holds 1.94x the pages; the engine's default pool

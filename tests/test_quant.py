@@ -531,7 +531,8 @@ def test_engine_runs_dummy_weights_quantized_at_load(scheme, loop):
     from jaxinfer import LLM, SamplingParams
 
     opts = dict(load_format="dummy", max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
-                seq_buckets=(2,), page_buckets=(4,), token_buckets=(8, 32), layer_loop=loop, max_logprobs=1)
+                seq_buckets=(2,), page_buckets=(4,), token_buckets=(8, 32), layer_loop=loop, max_logprobs=1,
+                num_pages=8)  # 2 x 64 tokens; by default a GPU's pool takes most free memory, none left for the second
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
     full = LLM("tiny-llama3", quantization="none", **opts)
     quant = LLM("tiny-llama3", quantization=scheme, **opts)

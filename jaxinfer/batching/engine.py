@@ -166,7 +166,8 @@ class LLMEngine:
         num_pages = config.num_pages or self._default_num_pages(kv_dtype, pages_per_seq)
         if num_pages < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages} pages of {ps} tokens) cannot hold one sequence of "
-                             f"max_model_len={self.max_model_len}; raise num_pages or lower max_model_len")
+                             f"max_model_len={self.max_model_len}; raise num_pages"
+                             f"{'' if config.num_pages else ' (or kv_cache_memory_fraction)'} or lower max_model_len")
         if self.mesh is None:
             cache = KVCache.zeros(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, kv_dtype)
         else:
