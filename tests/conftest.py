@@ -49,3 +49,20 @@ def _release_compiled_code():
 
         gc.collect()
         jax.clear_caches()
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """``pretend_gpu()`` makes ``jax.default_backend()`` answer "gpu", so the code takes its GPU paths
+    on this CPU (with the Pallas kernels interpreted where a test patches them in). JAX's trace caches
+    are cleared on the way in and out: jit caches a trace by function and arguments, not by what
+    ``default_backend`` answered or which kernel a test patched in, so a trace made on the CPU path
+    would answer the "gpu" call (the "gpu" cases of the quantized-MoE test passed that way without
+    running the GPU path) and the reverse."""
+    import jax
+
+    def patch():
+        jax.clear_caches()
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    yield patch
+    jax.clear_caches()

@@ -26,12 +26,12 @@ def _check(x, w, out_dtype=None, in_out=False):
 @pytest.mark.parametrize("backend", ["gpu", "native", "native, [in, out]"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("dtype,out_dtype", [("float32", None), ("bfloat16", None), ("bfloat16", "float32")])
-def test_linear_matches_float64(monkeypatch, backend, tokens, dtype, out_dtype):
+def test_linear_matches_float64(pretend_gpu, backend, tokens, dtype, out_dtype):
     """Every path, on this machine: "gpu" makes a one-token call take the row-reduction path (the
     weight has more rows than columns, as QKV and gate/up); "[in, out]" passes the weight as the
     CPU engine stores it."""
     if backend == "gpu":
-        monkeypatch.setattr(llama.jax, "default_backend", lambda: "gpu")
+        pretend_gpu()
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.standard_normal((tokens, 320)), dtype)
     w = jnp.asarray(rng.standard_normal((384, 320)) / np.sqrt(320), dtype)
