@@ -17,17 +17,13 @@ int8 1.16x bf16, int4-g128 0.83x, issue 25). This kernel:
   cycle at 1.98 GHz is ~33 T thread instructions a second: at 4.4 TB/s, ~7.6 per int8 weight and
   ~3.8 per int4 weight). So: one thread owns a 16-byte chunk of a row (one vector load; a chunk lies
   in one group) and reduces it in registers; the only cross-thread reduction is once, after the loop.
-- ``x`` never moves between threads, and is read in place: each field ``p`` of the tile's words
-  is gathered as ``[1, chunks, 4]`` from ``x``'s own columns (four 4-byte loads a thread, from L1),
-  which Triton lays out like the codes' ``[rows, chunks, 4]`` words, broadcast over rows in
-  registers. Outside the kernel ``x`` is only converted to float32 and scaled per column by the power
-  of two the decode leaves each code at (elementwise: XLA fuses it into the op that makes ``x``); a
-  4-bit group's offset multiplies the chunk's sum of ``x``, summed from those same registers. The
-  version before read ``x`` reordered to the codes' places (one ``[in / 16, 4]`` slab per place,
-  zero-padded to whole tiles) and the chunks' sums from arrays XLA prepared: two to three more small
-  kernels per matvec, ~12 launches of ~1.3 us per layer at batch 1 (docs/benchmarks.md). (The
-  version before that loaded ``x`` as ``[chunks, 16]`` and broadcast it over rows: Triton converted
-  layouts through shared memory, 4 ``BAR.SYNC`` per iteration for int8 and 8 for int4.)
+- ``x`` never moves between threads. It is prepared outside the kernel (a few KB): reordered to the
+  codes' places in a 32-bit word (one ``[in / 16, 4]`` slab per place), scaled by the power of two
+  the decode leaves each code at, zero-padded to whole tiles; each place's slab is loaded as
+  ``[1, chunks, 4]``, which Triton lays out like the codes' ``[rows, chunks, 4]`` words, broadcast
+  over rows in registers. (The version before loaded ``x`` as ``[chunks, 16]`` and broadcast it over
+  rows: Triton converted layouts through shared memory, 4 ``BAR.SYNC`` per iteration for int8 and 8
+  for int4, on top of 5.5 / 7.4 instructions per weight.)
 - Codes become float32 without an int-to-float conversion (a quarter-rate instruction): a code ``q``
   masked in place in its word (codes in the low 20 bits; the rest from the word shifted right by 12,
   one shift per word) and ORed into the mantissa of 2^23 is the float ``2^23 + q * 2^offset``; one
@@ -70,7 +66,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -81,7 +76,6 @@ _CHUNK = 16  # bytes of a row's codes one thread reduces in registers (one 16-by
 _WORDS = _CHUNK // 4  # the chunk as 32-bit words
 # Programs to aim for when choosing ``split_k`` by default: a few per SM of an H200 (132 SMs).
 _TARGET_PROGRAMS = 512
-_RAW_X = True
 
 
 def _fields(bits: int) -> list[tuple[int, int]]:
@@ -99,16 +93,10 @@ def _fields(bits: int) -> list[tuple[int, int]]:
     return out
 
 
-def _column(bits: int, p: int) -> int:
-    """The column of a chunk that field ``p`` of its word 0 holds (word ``w``: ``4 w`` more): byte ``p``
-    of 8-bit codes; of GGUF nibbles, byte ``p // 2``'s low (``p`` even) or high nibble (16 columns on)."""
-    return p if bits == 8 else p // 2 + 16 * (p % 2)
-
-
 def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
-            block_rows, block_chunks, prefetch, raw_x, split_k):
+            block_rows, block_chunks, prefetch):
     x_ref, *refs = refs
-    if has_offsets and not raw_x:
+    if has_offsets:
         xsum_ref, *refs = refs
     codes_ref, scales_ref, *refs = refs
     if has_offsets:
@@ -129,7 +117,6 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         row_ok = r < num_rows
         # rows past the end re-read the last one; their store is masked
         rows = jnp.minimum(r, num_rows - 1)[:, None, None]
-    fields = _fields(bits)
     word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
     byte = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 4), 3)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _CHUNK), 2)
@@ -158,6 +145,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         g = kc // chunks_per_group  # a chunk lies in one group
         return (c, *(plgpu.load(ref.at[rows, g]) for ref in ((scales_ref, off_ref) if has_offsets else (scales_ref,))))
 
+    fields = _fields(bits)
     offsets = sorted({off for _, off in fields})
     sign = 1 << (bits - 1) if signed else 0
     # the constants ORed into the codes, read from memory: as literals ptxas re-materializes the
@@ -175,18 +163,6 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
             out.append(jax.lax.bitcast_convert_type(f, jnp.float32) - float(2 ** 23 + (sign + zero) * 2 ** off))
         return out
 
-    cols = _CHUNK * 8 // bits
-    padded = split_k * tiles * block_chunks > chunks
-
-    def load_x(tok, p, k):
-        """x for field ``p`` of the tile's words ``[1, BC, 4]`` (float32, scaled by 2^-offset to match
-        ``decode``): as stored, or (``raw_x``) gathered from x's own columns, zero past ``chunks``."""
-        if not raw_x:
-            return plgpu.load(x_ref.at[tok, p, k, word])
-        mask = dict(mask=jnp.broadcast_to(k < chunks, (1, block_chunks, _WORDS)), other=0.0) if padded else {}
-        raw = plgpu.load(x_ref.at[tok, k * cols + _column(bits, p) + 4 * word], **mask).astype(jnp.float32)
-        return raw, raw * 2.0 ** -fields[p][1]
-
     def compute(t, acc, tile):
         k, _ = chunk_index(t)
         w = decode(tile[0])
@@ -195,19 +171,12 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         for tok in range(tokens):
             # x is read as [1, BC, 4], the codes' layout broadcast over rows: no shuffle between threads
             part = acc[tok] if per_row else None
-            xsum = None
             for p, wp in enumerate(w):
-                xr, xp = load_x(tok, p, k)
+                xp = plgpu.load(x_ref.at[tok, p, k, word])
                 part = wp * xp if part is None else part + wp * xp  # a chain of fused multiply-adds
-                if has_offsets and raw_x:  # the chunk's sum of x, unscaled
-                    xsum = xr if xsum is None else xsum + xr
             if not per_row:
                 part = acc[tok] + jnp.sum(part, axis=2, keepdims=True) * sc
-                if has_offsets and raw_x:
-                    # summed over words after the broadcast over rows: the sum then has the layout of
-                    # the codes' (a [1, BC, 1] sum is laid out differently: a shuffle through shared memory)
-                    part = part + off * jnp.sum(jnp.broadcast_to(xsum, shape), axis=2, keepdims=True)
-                elif has_offsets:
+                if has_offsets:
                     part = part + off * plgpu.load(xsum_ref.at[tok, k])
             new.append(part)  # elementwise: one cross-thread reduction, after the loop
         return tuple(new)
@@ -310,22 +279,15 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     xw = xw.reshape(tokens, len(fields), chunks, _WORDS) * place[:, None, None]
     sign = 1 << (bits - 1) if signed else 0
     magic = [_MAGIC | (sign << off) for off in (sorted({off for _, off in fields}) if signed else (0,))]
-    if _RAW_X:
-        colscale = np.zeros(cols, np.float32)
-        for p, (_, off) in enumerate(fields):
-            colscale[[_column(bits, p) + 4 * w for w in range(_WORDS)]] = 2.0 ** -off
-        operands = [jnp.asarray(magic, jnp.uint32), x]
-    else:
-        operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
-    if offsets is not None and not _RAW_X:
+    operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
+    if offsets is not None:
         operands.append(jnp.pad(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1), ((0, 0), (0, pad))))
     operands += [values.reshape(out, chunks, _CHUNK), scales]
     if offsets is not None:
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
                                zero=zero, signed=signed, chunks=chunks, chunks_per_group=group_size // cols,
-                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch,
-                               raw_x=_RAW_X, split_k=split_k)
+                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch)
     y = pl.pallas_call(
         kernel, grid=(cdiv(out, block_rows), split_k),
         out_shape=jax.ShapeDtypeStruct((split_k, tokens, out), jnp.float32),
