@@ -16,7 +16,9 @@ import tempfile
 
 import jax
 
-MATMUL_MARKERS = ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot", "(gemv)")
+# "qmatvec": the quantized matvec kernel (pallas_kernels/qmatvec.py), which a quantized batch-1 step's
+# profile otherwise counted as "other"
+MATMUL_MARKERS = ("gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "dot", "(gemv)", "qmatvec")
 ATTENTION_MARKERS = ("paged_",)  # our Pallas kernels are named paged_decode_gpu / paged_prefill_gpu
 
 
@@ -34,12 +36,18 @@ def device_events(fn, *args, calls: int = 1) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
 
 
+def grid(event: dict) -> str:
+    """The kernel's launch grid as the trace gives it ("x,y,z"), or "" (copies)."""
+    m = re.search(r"grid:([\d,]+)", event.get("args", {}).get("kernel_details", ""))
+    return m.group(1) if m else ""
+
+
 def kernel_name(event: dict, one_token: bool = False) -> str:
     """The kernel's name. In a one-token step, tagged "(gemv)" for an XLA reduction with one block
     per output row of at least 1,024 rows: a ``linear`` (models/layers.py), not a norm's reduction.
     (Larger steps have reductions of such grids that are not matmuls.)"""
-    grid = re.search(r"grid:(\d+)", event.get("args", {}).get("kernel_details", ""))
-    if one_token and "reduce" in event["name"] and grid and int(grid.group(1)) >= 1024:
+    blocks = grid(event).split(",")[0]
+    if one_token and "reduce" in event["name"] and blocks and int(blocks) >= 1024:
         return event["name"] + " (gemv)"
     return event["name"]
 
@@ -59,11 +67,10 @@ def launches(events: list[dict], calls: int = 1, top: int = 40) -> list[dict]:
     docs/benchmarks.md, issue 25)."""
     total = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
-        grid = re.search(r"grid:([\d,]+)", e.get("args", {}).get("kernel_details", ""))
-        entry = total[(e["name"], grid.group(1) if grid else "")]
+        entry = total[(e["name"], grid(e))]
         entry[0] += 1
         entry[1] += e["dur"]  # microseconds, as the trace gives them
-    rows = [dict(name=name, grid=grid, launches=n / calls, us=us / calls) for (name, grid), (n, us) in total.items()]
+    rows = [dict(name=name, grid=g, launches=n / calls, us=us / calls) for (name, g), (n, us) in total.items()]
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
