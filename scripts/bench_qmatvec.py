@@ -78,13 +78,13 @@ def chained(matvec, chain: int):
 
 
 def configs(out: int, n_in: int, bits: int, extra: int) -> list[dict]:
-    """The default blocks and up to ``extra`` variations of them (pipeline depth, rows, tile width,
+    """The default blocks and up to ``extra`` variations of them (prefetch depth, rows, tile width,
     splits, warps)."""
     d = default_blocks(out, n_in, bits)
     d = dict(d, num_warps=4, num_stages=3)
-    variants = [dict(d, num_stages=4),
+    variants = [dict(d, prefetch=3 - d["prefetch"]),
                 dict(d, block_rows=d["block_rows"] * 2, split_k=max(1, d["split_k"] // 2), num_warps=8),
-                dict(d, block_chunks=d["block_chunks"] * 2),
+                dict(d, block_chunks=d["block_chunks"] * 2, num_stages=1),
                 dict(d, num_stages=1),
                 dict(d, block_rows=max(8, d["block_rows"] // 2), split_k=d["split_k"] * 2),
                 dict(d, block_chunks=max(1, d["block_chunks"] // 2), num_warps=8)]

@@ -70,7 +70,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2
-from jaxinfer.pallas_kernels._staged import staged
 
 _MAGIC = 0x4B000000  # the bits of float32 2^23: ORing an integer below 2^23 into it gives 2^23 + q
 _CHUNK = 16  # bytes of a row's codes one thread reduces in registers (one 16-byte load)
@@ -95,7 +94,7 @@ def _fields(bits: int) -> list[tuple[int, int]]:
 
 
 def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
-            block_rows, block_chunks):
+            block_rows, block_chunks, prefetch):
     x_ref, *refs = refs
     if has_offsets:
         xsum_ref, *refs = refs
@@ -182,9 +181,31 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
             new.append(part)  # elementwise: one cross-thread reduction, after the loop
         return tuple(new)
 
-    # one tile per iteration, loaded where it is used: Triton's pipeliner stages the loads (``_staged``)
+    def step(t, carry):
+        acc, *tiles_ahead = carry
+        nxt = load(t + depth)
+        return compute(t, acc, tiles_ahead[0]), *tiles_ahead[1:], nxt
+
+    def steps(j, carry):
+        # ``depth`` steps per iteration: each prefetch lands in the registers of the tile it replaces,
+        # so the loop carries no register copies (with one step, ``depth`` 2 cost a move per register)
+        for k in range(depth):
+            carry = step(j * depth + k, carry)
+        return carry
+
+    # ``depth`` tiles in flight: ptxas issues a prefetch only once the registers of the tile it
+    # replaces are free, i.e. at the end of the iteration before its use (measured in the SASS); loads
+    # ``depth`` tiles ahead still have ``depth - 1`` iterations of math to land behind. The last
+    # ``depth`` tiles run after the loop: no prefetch past the end, so no loads to mask (a masked
+    # load zero-fills its registers, an instruction per two).
+    depth = min(prefetch, tiles)
     init = tuple(jnp.zeros(shape if per_row else shape[:2] + (1,), jnp.float32) for _ in range(tokens))
-    acc = jax.lax.fori_loop(0, tiles, lambda t, acc: compute(t, acc, load(t)), init)
+    carry = jax.lax.fori_loop(0, (tiles - depth) // depth, steps, (init, *(load(t) for t in range(depth))))
+    for t in range((tiles - depth) // depth * depth, tiles - depth):
+        carry = step(t, carry)
+    acc, *ahead = carry
+    for j, tile in enumerate(ahead):
+        acc = compute(tiles - len(ahead) + j, acc, tile)
     acc = [jnp.sum(a, axis=(1, 2)) for a in acc]
     rows = rows[:, 0, 0]
     if per_row:
@@ -199,25 +220,31 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
 
 def default_blocks(out: int, n_in: int, bits: int) -> dict:
     """Block sizes for a weight ``[out, n_in]``: ``block_rows`` 32 (16 under 4,096 rows), tiles of
-    256 bytes of codes per row, K splits until the grid has ~``_TARGET_PROGRAMS`` programs."""
+    256 bytes of codes per row, K splits until the grid has ~``_TARGET_PROGRAMS`` programs, and
+    ``prefetch`` 2 for 8-bit codes and for 4-bit ones where a program has at most 4 tiles, else 1.
+    On the H200 (llama3-8b's five matvecs, docs/benchmarks.md) 2 tiles ahead made int8 1.09-1.17x
+    faster on all but ``wo`` (0.9x) and int4-g128 1.2-1.4x faster on ``wqkv`` and ``wo`` (2-4 tiles),
+    but 0.7-0.85x on the others, whose loops then need 254 registers per thread."""
     chunks = n_in * bits // 8 // _CHUNK
     block_rows = 32 if out >= 4096 else 16
     block_chunks = min(next_pow2(chunks), 16)
     split_k = max(1, min(cdiv(chunks, block_chunks), _TARGET_PROGRAMS // cdiv(out, block_rows)))
-    return dict(block_rows=block_rows, block_chunks=block_chunks, split_k=split_k)
+    tiles = cdiv(cdiv(chunks, block_chunks), split_k)
+    prefetch = 2 if bits == 8 or tiles <= 4 else 1
+    return dict(block_rows=block_rows, block_chunks=block_chunks, split_k=split_k, prefetch=prefetch)
 
 
 def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
                      bits: int, group_size: int, zero: int = 0, signed: bool = False,
                      block_rows: int | None = None, block_chunks: int | None = None, split_k: int | None = None,
-                     num_warps: int = 4, num_stages: int = 3,
+                     prefetch: int | None = None, num_warps: int = 4, num_stages: int = 3,
                      interpret: bool = False) -> jax.Array:
     """``x [T, in] @ W.T`` as float32 ``[T, out]``, ``W`` decoded per group as ``(q - zero) * scale
     (+ offset)``: ``values`` int8 ``[out, in]`` (``bits=8``; ``signed``: int8 codes, else uint8) or
     packed nibbles uint8 ``[out, in / 2]`` (``bits=4``, GGUF order), ``scales`` (and ``offsets``)
-    ``[out, in / group_size]``. Block sizes default to ``default_blocks``; ``num_stages``: the loop's
-    software pipeline depth (``_staged``: tiles ``num_stages - 1`` ahead are in flight as
-    asynchronous copies into shared memory)."""
+    ``[out, in / group_size]``. Block sizes default to ``default_blocks``; ``prefetch``: tiles loaded
+    ahead of the one being decoded (2 holds a second tile's registers: int8 71 -> 127 per thread, int4
+    96 -> 254, where ptxas starts re-materializing constants)."""
     if bits not in (4, 8):
         raise ValueError(f"quantized_matvec: bits must be 4 or 8, got {bits}")
     if x.ndim != 2 or values.ndim != 2:
@@ -236,6 +263,7 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     chunks = n_in // cols
     split_k = min(split_k or blocks["split_k"], cdiv(chunks, block_chunks))
     tiles = cdiv(cdiv(chunks, block_chunks), split_k)
+    prefetch = prefetch or blocks["prefetch"]
 
     xf = x.astype(jnp.float32)
     # x in the decoded codes' order, [T, field p, chunk, word]: column 4 * word + p of 8-bit codes;
@@ -259,11 +287,11 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
                                zero=zero, signed=signed, chunks=chunks, chunks_per_group=group_size // cols,
-                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks)
+                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch)
     y = pl.pallas_call(
         kernel, grid=(cdiv(out, block_rows), split_k),
         out_shape=jax.ShapeDtypeStruct((split_k, tokens, out), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=staged(f"qmatvec_{bits}bit_gpu", num_stages),
+        interpret=interpret, name=f"qmatvec_{bits}bit_gpu",
     )(*operands)
     return y[0] if split_k == 1 else jnp.sum(y, axis=0)
