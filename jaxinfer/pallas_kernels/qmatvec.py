@@ -94,7 +94,7 @@ def _fields(bits: int) -> list[tuple[int, int]]:
 
 
 def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, chunks, chunks_per_group, tiles,
-            block_rows, block_chunks, prefetch, mode=""):
+            block_rows, block_chunks, prefetch):
     x_ref, *refs = refs
     if has_offsets:
         xsum_ref, *refs = refs
@@ -102,7 +102,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
     if has_offsets:
         off_ref, *refs = refs
     (o_ref,) = refs
-    num_rows = o_ref.shape[2] if mode == "contig" else codes_ref.shape[0]
+    num_rows = codes_ref.shape[0]
     i, s = pl.program_id(0), pl.program_id(1)
     iota = jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     if num_rows >= block_rows:
@@ -135,14 +135,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         instruction for it). Not ``bitcast_convert_type`` outside: XLA (on CPU at least) expands a bitcast
         that changes the element size into a copy of the whole weight, every call."""
         _, kc = chunk_index(t)
-        lrows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1, 1), 0) if mode == "l2codes" else rows
-        if mode == "contig":  # timing only: each tile one contiguous run of R * BC * 16 bytes
-            nt = codes_ref.shape[0] // pl.num_programs(0)
-            tid = jnp.minimum(i * nt + s * tiles + t, codes_ref.shape[0] - 1)
-            cc = jax.lax.broadcasted_iota(jnp.int32, (1, block_chunks, 1), 1) * _CHUNK + col
-            b = plgpu.load(codes_ref.at[tid, jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1, 1), 0), cc])
-        else:
-            b = plgpu.load(codes_ref.at[lrows, kc, col])
+        b = plgpu.load(codes_ref.at[rows, kc, col])
         if b.dtype != jnp.uint8:
             b = jax.lax.bitcast_convert_type(b, jnp.uint8)
         b = b.reshape(block_rows, block_chunks, _WORDS, 4).astype(jnp.uint32)
@@ -172,19 +165,6 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
 
     def compute(t, acc, tile):
         k, _ = chunk_index(t)
-        if mode == "loadonly":  # the same loads (codes, scales, one x slab), one FFMA per code word
-            wf = jax.lax.bitcast_convert_type(tile[0] & 0x3FFFFF, jnp.float32)
-            new = []
-            for tok in range(tokens):
-                xp = plgpu.load(x_ref.at[tok, 0, k, word])
-                if per_row:
-                    new.append(acc[tok] + wf * xp)
-                else:
-                    part = acc[tok] + jnp.sum(wf * xp, axis=2, keepdims=True) * tile[1].astype(jnp.float32)
-                    if has_offsets:
-                        part = part + tile[2].astype(jnp.float32)
-                    new.append(part)
-            return tuple(new)
         w = decode(tile[0])
         sc, off = [a.astype(jnp.float32) for a in tile[1:]] + [None] * (3 - len(tile))
         new = []
@@ -257,7 +237,7 @@ def default_blocks(out: int, n_in: int, bits: int) -> dict:
 def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
                      bits: int, group_size: int, zero: int = 0, signed: bool = False,
                      block_rows: int | None = None, block_chunks: int | None = None, split_k: int | None = None,
-                     prefetch: int | None = None, num_warps: int = 4, num_stages: int = 3, mode: str = "",
+                     prefetch: int | None = None, num_warps: int = 4, num_stages: int = 3,
                      interpret: bool = False) -> jax.Array:
     """``x [T, in] @ W.T`` as float32 ``[T, out]``, ``W`` decoded per group as ``(q - zero) * scale
     (+ offset)``: ``values`` int8 ``[out, in]`` (``bits=8``; ``signed``: int8 codes, else uint8) or
@@ -302,17 +282,12 @@ def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets
     operands = [jnp.asarray(magic, jnp.uint32), jnp.pad(xw, ((0, 0), (0, 0), (0, pad), (0, 0)))]
     if offsets is not None:
         operands.append(jnp.pad(jnp.sum(xf.reshape(tokens, chunks, cols), axis=-1), ((0, 0), (0, pad))))
-    if mode == "contig":
-        values = values.reshape(-1, block_rows, block_chunks * _CHUNK)
-        operands += [values, scales]
-    else:
-        operands += [values.reshape(out, chunks, _CHUNK), scales]
+    operands += [values.reshape(out, chunks, _CHUNK), scales]
     if offsets is not None:
         operands.append(offsets)
     kernel = functools.partial(_kernel, tokens=tokens, has_offsets=offsets is not None, per_row=per_row, bits=bits,
                                zero=zero, signed=signed, chunks=chunks, chunks_per_group=group_size // cols,
-                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch,
-                               mode=mode)
+                               tiles=tiles, block_rows=block_rows, block_chunks=block_chunks, prefetch=prefetch)
     y = pl.pallas_call(
         kernel, grid=(cdiv(out, block_rows), split_k),
         out_shape=jax.ShapeDtypeStruct((split_k, tokens, out), jnp.float32),
