@@ -72,7 +72,10 @@ def default_scheduler_steps(backend: str) -> int:
     the host's work per dispatch (~1 ms on the 2-core box) took the cores from a SmolLM2 batch-1
     step of ~7.5 ms, and 4 steps per dispatch took batch-1 decode from 0.88x to 1.06x llama.cpp's
     (docs/benchmarks.md, issue 22); more than 4 saved little more and streams coarser. 1 elsewhere:
-    an accelerator's steps are dispatched ahead of the device, which hides the host's work."""
+    an accelerator's steps are dispatched ahead of the device, which hides the host's work while a
+    step outlasts its dispatch. Below that (llama3-8b int4 at batch 1 on an H100, ~2.5 ms a step) 4
+    measured 1.11x (issue 25); it stays opt-in there until the throughput and serving workloads
+    are measured with it (a request arriving mid-run waits up to that many steps for its prefill)."""
     return 4 if backend == "cpu" else 1
 
 
