@@ -9,6 +9,10 @@ and scales: the time does not depend on them), at ``--tokens`` rows of activatio
   one token only);
 - ``bf16``: the same shape's bf16 weight through ``layers.linear`` (what the unquantized model runs);
 - ``error``: the kernel against float32 dequantize-then-matmul (largest difference / largest output);
+- ``device us``: the kernel's own device time per matvec from a profiled run (``device_profile``):
+  the chain's wall time per call also holds the kernels around each matvec (x's reorder, the
+  split-K sum, the nudge), 8-15 us more than the same kernel took inside the engine's step on an
+  H100 (docs/benchmarks.md, issue 25), so sweeps rank block choices by this;
 - the ceiling: bytes read (codes, scales, offsets) over 4.8 TB/s, and over the read bandwidth
   measured in the same run (a multi-GB sum).
 Each timing is a jitted chain of ``--chain`` calls, each call's input depending on the previous
@@ -24,6 +28,7 @@ the ratio to bf16's time. Prints a table, writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -31,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from ceilings import read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
+from device_profile import kernel_times
 from jaxinfer.models import layers
 from jaxinfer.pallas_kernels.qmatvec import default_blocks
 from jaxinfer.quant import FORMATS, QArray, dequantize
@@ -113,6 +119,12 @@ def main():
     def time_us(matvec, xs, w):
         return timeit(chained(matvec, F.chain), xs, w, reps=F.reps, inner=F.inner) / F.chain * 1e6
 
+    def device_us(matvec, xs, w):
+        """Device time of the quantized kernels per matvec (profiled), or None where the trace has none."""
+        times = kernel_times(chained(matvec, F.chain), xs, w, calls=3)
+        mine = sum(t for name, t in times.items() if name.startswith("qmatvec"))
+        return mine / F.chain * 1e6 if mine else None
+
     for shape_name in F.shapes.split(","):
         out, n_in = SHAPES[shape_name]
         xs = x[:, :n_in]
@@ -121,21 +133,23 @@ def main():
         bf16_bytes = wb.nbytes
         del wb
         print(f"\n{shape_name} {out}x{n_in}: bf16 {bf16_us:.1f} us ({bf16_bytes / bf16_us / 1e3:.0f} GB/s)")
-        print(f"  {'scheme':10} {'MB':>7} {'ceil us':>8} {'kernel us':>10} {'GB/s':>6} {'x bf16':>7} "
+        print(f"  {'scheme':10} {'MB':>7} {'ceil us':>8} {'kernel us':>10} {'GB/s':>6} {'x bf16':>7} {'device us':>9} "
               f"{'xla us':>8} {'x bf16':>7} {'error':>8}  best blocks")
         for scheme in F.schemes.split(","):
             w = random_qarray(jax.random.fold_in(key, hash(scheme) % 1000), out, n_in, scheme)
             nbytes = sum(a.nbytes for a in (w.values, w.scales, w.offsets) if a is not None)
             tried = []
             for cfg in configs(out, n_in, w.format.bits, F.configs):
+                matvec = functools.partial(kernel_matvec, out_dtype=jnp.bfloat16, **cfg)
                 try:
-                    us = time_us(lambda a, ww, cfg=cfg: kernel_matvec(a, ww, jnp.bfloat16, **cfg), xs, w)
+                    us, dev = time_us(matvec, xs, w), device_us(matvec, xs, w)
                 except Exception as e:  # a block choice Triton cannot compile: reported, not fatal
-                    us = None
+                    us = dev = None
                     print(f"    {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                tried.append(dict(blocks=cfg, us=us))
+                tried.append(dict(blocks=cfg, us=us, device_us=dev))
             ok = [t for t in tried if t["us"] is not None]
-            best = min(ok, key=lambda t: t["us"]) if ok else None
+            by = "device_us" if ok and all(t["device_us"] for t in ok) else "us"
+            best = min(ok, key=lambda t: t[by]) if ok else None
             xla_us = time_us(lambda a, ww: rowsum_matvec(a, ww, jnp.bfloat16), xs, w) if F.tokens == 1 else None
             try:
                 err = float(max_error(xs, w))
@@ -146,13 +160,15 @@ def main():
                        max_rel_error=err,
                        ceiling_us=nbytes / HBM_BYTES_PER_S * 1e6, measured_ceiling_us=nbytes / bw * 1e6,
                        kernel_default_us=tried[0]["us"], kernel_best_us=best and best["us"],
+                       kernel_default_device_us=tried[0]["device_us"], kernel_best_device_us=best and best["device_us"],
                        kernel_best_blocks=best and best["blocks"], kernel_tried=tried, xla_us=xla_us,
                        bf16_us=bf16_us, bf16_bytes=bf16_bytes)
             rows.append(row)
             k = best["us"] if best else float("nan")
             xl = f"{xla_us:8.1f} {bf16_us / xla_us:7.2f}" if xla_us else f"{'-':>8} {'-':>7}"
+            dev = f"{best['device_us']:9.1f}" if best and best["device_us"] else f"{'-':>9}"
             print(f"  {scheme:10} {nbytes / 1e6:7.1f} {row['ceiling_us']:8.1f} {k:10.1f} {nbytes / k / 1e3:6.0f} "
-                  f"{bf16_us / k:7.2f} {xl} {err:8.1e}  {best and best['blocks']}")
+                  f"{bf16_us / k:7.2f} {dev} {xl} {err:8.1e}  {best and best['blocks']}")
             del w
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=F.tokens,
                   read_bandwidth_bytes_per_s=bw, hbm_bytes_per_s=HBM_BYTES_PER_S, chain=F.chain, inner=F.inner,
