@@ -116,12 +116,13 @@ def main():
     x = jax.random.normal(key, (F.tokens, max(n for _, n in SHAPES.values())), jnp.bfloat16)
     rows = []
 
-    def time_us(matvec, xs, w):
-        return timeit(chained(matvec, F.chain), xs, w, reps=F.reps, inner=F.inner) / F.chain * 1e6
+    def time_us(run, xs, w):
+        """Wall time per matvec of ``run``, a ``chained`` function (compiled once for both timings)."""
+        return timeit(run, xs, w, reps=F.reps, inner=F.inner) / F.chain * 1e6
 
-    def device_us(matvec, xs, w):
+    def device_us(run, xs, w):
         """Device time of the quantized kernels per matvec (profiled), or None where the trace has none."""
-        times = kernel_times(chained(matvec, F.chain), xs, w, calls=3)
+        times = kernel_times(run, xs, w, calls=3)
         mine = sum(t for name, t in times.items() if name.startswith("qmatvec"))
         return mine / F.chain * 1e6 if mine else None
 
@@ -129,7 +130,7 @@ def main():
         out, n_in = SHAPES[shape_name]
         xs = x[:, :n_in]
         wb = jax.random.normal(jax.random.fold_in(key, out), (out, n_in), jnp.bfloat16)
-        bf16_us = time_us(lambda a, w: layers.linear(a, w), xs, wb)
+        bf16_us = time_us(chained(lambda a, w: layers.linear(a, w), F.chain), xs, wb)
         bf16_bytes = wb.nbytes
         del wb
         print(f"\n{shape_name} {out}x{n_in}: bf16 {bf16_us:.1f} us ({bf16_bytes / bf16_us / 1e3:.0f} GB/s)")
@@ -140,9 +141,9 @@ def main():
             nbytes = sum(a.nbytes for a in (w.values, w.scales, w.offsets) if a is not None)
             tried = []
             for cfg in configs(out, n_in, w.format.bits, F.configs):
-                matvec = functools.partial(kernel_matvec, out_dtype=jnp.bfloat16, **cfg)
+                run = chained(functools.partial(kernel_matvec, out_dtype=jnp.bfloat16, **cfg), F.chain)
                 try:
-                    us, dev = time_us(matvec, xs, w), device_us(matvec, xs, w)
+                    us, dev = time_us(run, xs, w), device_us(run, xs, w)
                 except Exception as e:  # a block choice Triton cannot compile: reported, not fatal
                     us = dev = None
                     print(f"    {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -150,7 +151,8 @@ def main():
             ok = [t for t in tried if t["us"] is not None]
             by = "device_us" if ok and all(t["device_us"] for t in ok) else "us"
             best = min(ok, key=lambda t: t[by]) if ok else None
-            xla_us = time_us(lambda a, ww: rowsum_matvec(a, ww, jnp.bfloat16), xs, w) if F.tokens == 1 else None
+            xla_us = time_us(chained(lambda a, ww: rowsum_matvec(a, ww, jnp.bfloat16), F.chain), xs, w) \
+                if F.tokens == 1 else None
             try:
                 err = float(max_error(xs, w))
             except Exception as e:  # the default blocks failed to compile: reported above, not fatal
@@ -166,9 +168,9 @@ def main():
             rows.append(row)
             k = best["us"] if best else float("nan")
             xl = f"{xla_us:8.1f} {bf16_us / xla_us:7.2f}" if xla_us else f"{'-':>8} {'-':>7}"
-            dev = f"{best['device_us']:9.1f}" if best and best["device_us"] else f"{'-':>9}"
+            dev_col = f"{best['device_us']:9.1f}" if best and best["device_us"] else f"{'-':>9}"
             print(f"  {scheme:10} {nbytes / 1e6:7.1f} {row['ceiling_us']:8.1f} {k:10.1f} {nbytes / k / 1e3:6.0f} "
-                  f"{bf16_us / k:7.2f} {dev} {xl} {err:8.1e}  {best and best['blocks']}")
+                  f"{bf16_us / k:7.2f} {dev_col} {xl} {err:8.1e}  {best and best['blocks']}")
             del w
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, tokens=F.tokens,
                   read_bandwidth_bytes_per_s=bw, hbm_bytes_per_s=HBM_BYTES_PER_S, chain=F.chain, inner=F.inner,
