@@ -74,7 +74,7 @@ from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2
 _MAGIC = 0x4B000000  # the bits of float32 2^23: ORing an integer below 2^23 into it gives 2^23 + q
 _CHUNK = 16  # bytes of a row's codes one thread reduces in registers (one 16-byte load)
 _WORDS = _CHUNK // 4  # the chunk as 32-bit words
-# Programs to aim for when choosing ``split_k`` by default: a few per SM of an H200 (132 SMs).
+# Programs to aim for when choosing an 8-bit ``split_k`` by default: a few per SM of an H200 (132 SMs).
 _TARGET_PROGRAMS = 512
 
 
@@ -220,18 +220,21 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
 
 def default_blocks(out: int, n_in: int, bits: int) -> dict:
     """Block sizes for a weight ``[out, n_in]``: ``block_rows`` 32 (16 under 4,096 rows), tiles of
-    256 bytes of codes per row, K splits until the grid has ~``_TARGET_PROGRAMS`` programs, and
-    ``prefetch`` 2 for 8-bit codes and for 4-bit ones where a program has at most 4 tiles, else 1.
-    On the H200 (llama3-8b's five matvecs, docs/benchmarks.md) 2 tiles ahead made int8 1.09-1.17x
-    faster on all but ``wo`` (0.9x) and int4-g128 1.2-1.4x faster on ``wqkv`` and ``wo`` (2-4 tiles),
-    but 0.7-0.85x on the others, whose loops then need 254 registers per thread."""
+    256 bytes of codes per row, and ``prefetch`` 2. 8-bit codes split K until the grid has
+    ~``_TARGET_PROGRAMS`` programs; 4-bit codes split it until a program has at most 2 tiles, both
+    loaded before the first is decoded (78-80 registers a thread: 6 programs an SM, against 5 at 96).
+    llama3-8b batch 1 in the engine (docs/benchmarks.md, issue 25), 4-bit at most 2 tiles against
+    the ~512-program grid with prefetch 1 beyond 4 tiles: matvecs 1.96 -> 1.84 ms a step on an H200,
+    2.12 -> 1.99 on an H100 (1.04x, 1.03x tok/s). The same for 8-bit codes was 0.96x and 0.97x."""
     chunks = n_in * bits // 8 // _CHUNK
     block_rows = 32 if out >= 4096 else 16
     block_chunks = min(next_pow2(chunks), 16)
-    split_k = max(1, min(cdiv(chunks, block_chunks), _TARGET_PROGRAMS // cdiv(out, block_rows)))
-    tiles = cdiv(cdiv(chunks, block_chunks), split_k)
-    prefetch = 2 if bits == 8 or tiles <= 4 else 1
-    return dict(block_rows=block_rows, block_chunks=block_chunks, split_k=split_k, prefetch=prefetch)
+    n_tiles = cdiv(chunks, block_chunks)
+    if bits == 4:
+        split_k = cdiv(n_tiles, 2)
+    else:
+        split_k = max(1, min(n_tiles, _TARGET_PROGRAMS // cdiv(out, block_rows)))
+    return dict(block_rows=block_rows, block_chunks=block_chunks, split_k=split_k, prefetch=2)
 
 
 def quantized_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
