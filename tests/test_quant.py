@@ -64,25 +64,38 @@ def _check_linear(x, w: QArray, out_dtype=None):
     """``linear(x, w)`` against float64 ``x @ (dequantize(w) * col_scale).T`` (fp8: of the
     per-token fp8 activations it multiplies). Operands are exact in float32; the error is float32
     accumulation, the output cast and, for bfloat16 activations, the decoded weight's rounding to
-    bfloat16 and the gain-scaled activations' rounding to bfloat16 (either of which XLA may skip:
-    a float32 product feeding the dot directly; on the H200 it did for the interpreted kernel)."""
+    bfloat16 and the gain-scaled activations' rounding to bfloat16. XLA may skip the latter (excess
+    precision: a float32 product feeding the dot directly; the GPU did for fp8, whose activation
+    codes then differ, and on the H200 for the interpreted kernel), so the output must match the
+    reference built either way."""
     y = jax.jit(layers.linear, static_argnums=2)(x, w, out_dtype)
     out = jnp.dtype(out_dtype or x.dtype)
     assert y.dtype == out and y.shape == (x.shape[0], w.shape[-2])
-    xs = np.asarray(x, np.float64)
+    candidates = [x]
     if w.col_scale is not None:
-        xs = np.asarray((x.astype(jnp.float32) * w.col_scale).astype(x.dtype), np.float64)
-    if w.scheme == "fp8":
-        xq, s = fp8_activations(jnp.asarray(xs, x.dtype))
-        xs = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)
+        scaled = x.astype(jnp.float32) * w.col_scale
+        candidates = [scaled.astype(x.dtype), scaled]
     wd = np.asarray(dequantize(w, jnp.float32), np.float64)
-    want = xs @ wd.T
-    scale = np.abs(xs) @ np.abs(wd).T
     ulp = 2.0 ** -8 if out == jnp.bfloat16 else 2.0 ** -20
     rounded = w.scheme not in ("int8", "fp8") or w.col_scale is not None
     decoded = 2.0 ** -8 if x.dtype == jnp.bfloat16 and rounded else 1e-5
+    if w.scheme == "fp8" and out != jnp.float32 and jax.default_backend() != "cpu":
+        # fp8's dot writes its output in the activations' dtype (``qlinear``: faster), and the GEMM
+        # XLA emits for it (a Triton fusion) then rounds partial sums to that dtype too: beyond the
+        # output's own rounding, up to 2^-11.6 of ``scale`` on random operands at in = 320 on an
+        # H100 (float32 out: 2^-26.5)
+        decoded = 2.0 ** -10
     got = np.asarray(y.astype(jnp.float32), np.float64)
-    np.testing.assert_array_less(np.abs(got - want), ulp * np.abs(want) + decoded * scale + 1e-30)
+    checks = []
+    for xs in candidates:
+        if w.scheme == "fp8":
+            xq, s = fp8_activations(xs)
+            xs = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)
+        xs = np.asarray(xs, np.float64)
+        want, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
+        checks.append((np.abs(got - want), ulp * np.abs(want) + decoded * scale + 1e-30))
+    err, bound = min(checks, key=lambda c: int(np.sum(c[0] >= c[1])))
+    np.testing.assert_array_less(err, bound)
 
 
 @pytest.mark.parametrize("scheme,din", [("int8", 320), ("int4-g32", 96), ("int4-g64", 576), ("int4-g128", 384),
@@ -185,7 +198,7 @@ def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets
 
 
 def test_matvec_kernel_default_blocks_and_routing(monkeypatch, pretend_gpu):
-    """The kernel's own block choice (``default_blocks``: K split until the grid is large) on an
+    """The kernel's own block choice (``default_blocks``: K split into several programs) on an
     int4 weight of 64 x 4096 with several tokens; int8 goes to it too; formats it does not take by
     default (Q8_0, not yet timed against XLA; the K-quants) and more tokens than ``KERNEL_MAX_TOKENS``
     keep XLA's paths."""
