@@ -45,8 +45,10 @@ What the SASS shows (Triton 3.9, ``ptxas`` for sm_90, 4 warps, default blocks; X
 Triton IR with its own Triton, so close, not exact): the main loop is 3.61 instructions per weight for
 int8 (``LOP3``, ``FADD``, ``FFMA`` one per weight, a shift per word, 20 for addresses, loads and the
 loop: 231 per 64 weights per thread; the version before 5.50) and 3.83 for int4-g128 (3.0 per weight
-plus the per-chunk sum, scale, offset, their fp16 loads and conversions, addresses; before 7.39), no
-barrier, 71 and 96 registers (before 94 and 156), no spills. Exact float32 products cost three
+plus the per-chunk sum, scale, offset, their fp16 loads and conversions, addresses; before 7.39;
+measured with 8 tiles a program, before ``default_blocks`` capped 4-bit programs at 2 tiles, which
+have no loop and run 4.19 a weight whole at 78-80 registers), no barrier, 71 and 96 registers
+(before 94 and 156), no spills. Exact float32 products cost three
 instructions per weight on the CUDA cores (decode, exact subtraction, FMA), so this is near the
 floor; int4 stays issue-bound near 4.4 TB/s at best. Tensor cores (``pl.dot`` of codes decoded to
 fp16) measured worse in the SASS: Pallas' Triton lowering cannot bitcast a 32-bit word into two
