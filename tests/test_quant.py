@@ -197,6 +197,38 @@ def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets
     np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - want), 1e-6 * (np.abs(x) @ np.abs(wd).T))
 
 
+@pytest.mark.parametrize("zero,offsets", [(8, False), (0, True)])
+def test_matvec_kernel_half_pairs(zero, offsets):
+    """4-bit codes with bfloat16 ``x`` are multiplied in float16 pairs by default (interpreted: the
+    same arithmetic in jnp as the kernel's inline PTX): random codes (every nibble value in every
+    place of a word), ``x`` with 1% of its entries 3,000x the rest (each chunk's power of two keeps
+    float16 finite), 3 tokens, a partial last row block. Within 2^-9 of ``sum |x w|`` (float16 products
+    round at 2^-11, four chained per half), and not the float32 path's result (1e-6)."""
+    rng = np.random.default_rng(zero)
+    out, din, group, tokens = 24, 512, 64, 3
+    packed = rng.integers(0, 256, (out, din // 2))
+    b = packed.reshape(out, -1, 16)
+    cols = np.concatenate([b & 15, b >> 4], axis=-1).reshape(out, din)
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (out, din // group)) / 64, jnp.float16)
+    offs = jnp.asarray(rng.standard_normal((out, din // group)) / 64, jnp.float16) if offsets else None
+    wd = (cols - zero) * np.repeat(np.asarray(scales, np.float64), group, axis=1)
+    if offsets:
+        wd = wd + np.repeat(np.asarray(offs, np.float64), group, axis=1)
+    x = jnp.asarray(rng.standard_normal((tokens, din)) * np.where(rng.random(din) < 0.01, 3000.0, 1.0), jnp.bfloat16)
+    xs = np.asarray(x, np.float64)
+    want, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
+
+    def run(half):
+        return np.asarray(qmatvec.quantized_matvec(x, jnp.asarray(packed, jnp.uint8), scales, offs, bits=4,
+                                                   group_size=group, zero=zero, half=half, interpret=True), np.float64)
+
+    pairs, full = run(None), run(False)
+    assert np.all(np.isfinite(pairs))
+    np.testing.assert_array_less(np.abs(pairs - want), 2.0 ** -9 * scale)
+    np.testing.assert_array_less(np.abs(full - want), 1e-6 * scale)
+    assert np.max(np.abs(pairs - full) / scale) > 1e-6
+
+
 def test_matvec_kernel_default_blocks_and_routing(monkeypatch, pretend_gpu):
     """The kernel's own block choice (``default_blocks``: K split into several programs) on an
     int4 weight of 64 x 4096 with several tokens; int8 goes to it too; formats it does not take by
