@@ -164,18 +164,10 @@ def test_matvec_kernel_matches_dequantize_then_matmul(monkeypatch, pretend_gpu, 
     assert len(calls) == 1 and calls[0]["bits"] == w.format.bits
 
 
-@pytest.mark.parametrize("bits,group,zero,offsets,din", [(8, None, 0, False, 240), (8, 32, 0, False, 224),
-                                                        (4, 32, 8, False, 224), (4, 64, 0, True, 256)])
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets, din, prefetch):
-    """The kernel alone (interpreted) on codes covering their whole range (int8 -128..127, nibbles
-    0..15), against a float64 decode written out here (GGUF nibble order: byte j of each 32 columns
-    holds column j low, j + 16 high): 5 rows (fewer than a block: clamped row indices), 2 tokens, and
-    one chunk per tile without splits (7-15 tiles: the loop runs many times), prefetching 1 or 2 tiles
-    ahead (2: two tiles per iteration, odd tile counts leave one step after the loop)."""
-    rng = np.random.default_rng(bits + zero)
-    out, tokens = 5, 2
-    group = group or din
+def _random_codes(rng, bits, out, din, group, zero, offsets):
+    """Codes over their whole range (int8 -128..127; nibbles 0..15 in GGUF's order: byte j of each
+    32 columns holds column j low, j + 16 high), float16 scales (and offsets) per group, and the
+    float64 weight they decode to, written out here."""
     if bits == 8:
         q = rng.integers(-128, 128, (out, din))
         values, cols = jnp.asarray(q, jnp.int8), q
@@ -189,6 +181,21 @@ def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets
     wd = (cols - zero) * np.repeat(np.asarray(scales, np.float64), group, axis=1)
     if offsets:
         wd = wd + np.repeat(np.asarray(offs, np.float64), group, axis=1)
+    return values, scales, offs, wd
+
+
+@pytest.mark.parametrize("bits,group,zero,offsets,din", [(8, None, 0, False, 240), (8, 32, 0, False, 224),
+                                                        (4, 32, 8, False, 224), (4, 64, 0, True, 256)])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_matvec_kernel_every_code_few_rows_many_tiles(bits, group, zero, offsets, din, prefetch):
+    """The kernel alone (interpreted) on codes covering their whole range, against their float64
+    decode (``_random_codes``): 5 rows (fewer than a block: clamped row indices), 2 tokens, and
+    one chunk per tile without splits (7-15 tiles: the loop runs many times), prefetching 1 or 2 tiles
+    ahead (2: two tiles per iteration, odd tile counts leave one step after the loop)."""
+    rng = np.random.default_rng(bits + zero)
+    out, tokens = 5, 2
+    group = group or din
+    values, scales, offs, wd = _random_codes(rng, bits, out, din, group, zero, offsets)
     x = rng.standard_normal((tokens, din)).astype(np.float32)
     y = qmatvec.quantized_matvec(jnp.asarray(x), values, scales, offs, bits=bits, group_size=group, zero=zero,
                                  signed=bits == 8, block_rows=16, block_chunks=1, split_k=1, prefetch=prefetch,
@@ -206,21 +213,14 @@ def test_matvec_kernel_half_pairs(zero, offsets):
     round at 2^-11, four chained per half), and not the float32 path's result (1e-6)."""
     rng = np.random.default_rng(zero)
     out, din, group, tokens = 24, 512, 64, 3
-    packed = rng.integers(0, 256, (out, din // 2))
-    b = packed.reshape(out, -1, 16)
-    cols = np.concatenate([b & 15, b >> 4], axis=-1).reshape(out, din)
-    scales = jnp.asarray(rng.uniform(0.5, 2.0, (out, din // group)) / 64, jnp.float16)
-    offs = jnp.asarray(rng.standard_normal((out, din // group)) / 64, jnp.float16) if offsets else None
-    wd = (cols - zero) * np.repeat(np.asarray(scales, np.float64), group, axis=1)
-    if offsets:
-        wd = wd + np.repeat(np.asarray(offs, np.float64), group, axis=1)
+    values, scales, offs, wd = _random_codes(rng, 4, out, din, group, zero, offsets)
     x = jnp.asarray(rng.standard_normal((tokens, din)) * np.where(rng.random(din) < 0.01, 3000.0, 1.0), jnp.bfloat16)
     xs = np.asarray(x, np.float64)
     want, scale = xs @ wd.T, np.abs(xs) @ np.abs(wd).T
 
     def run(half):
-        return np.asarray(qmatvec.quantized_matvec(x, jnp.asarray(packed, jnp.uint8), scales, offs, bits=4,
-                                                   group_size=group, zero=zero, half=half, interpret=True), np.float64)
+        return np.asarray(qmatvec.quantized_matvec(x, values, scales, offs, bits=4, group_size=group, zero=zero,
+                                                   half=half, interpret=True), np.float64)
 
     pairs, full = run(None), run(False)
     assert np.all(np.isfinite(pairs))
