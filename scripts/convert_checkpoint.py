@@ -1,35 +1,48 @@
 """Convert any model source (GGUF, HF safetensors directory, preset) to an orbax directory.
 
-A later ``load_model(output)`` restores the arrays directly, skipping dequantization, transposes and
-Q/K/V fusion. The tokenizer is saved alongside so the directory is self-contained.
+A later ``load_model(output)`` restores the arrays directly, skipping dequantization, transposes,
+Q/K/V fusion and, with ``--quantization``, quantization itself (int4's grid search takes minutes a
+billion parameters on a CPU): the engine then runs the weights as saved (its ``quantization="auto"``).
+The tokenizer is saved alongside so the directory is self-contained.
 
   python scripts/convert_checkpoint.py --model smollm2-135m --output /tmp/smollm2 --dtype bfloat16
+  python scripts/convert_checkpoint.py --model /path/to/hf-llama --output /tmp/llama-int4 --quantization int4-g64
+  python scripts/convert_checkpoint.py --model smollm2-135m --output /tmp/smollm2-q4 --quantization gguf
 """
 
 import os
+import time
 
+import jax
 from absl import app, flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from jaxinfer.models.weights import load_model, resolve_model, save_converted  # noqa: E402
+from jaxinfer.models.weights import QUANTIZATIONS, load_model, resolve_model, save_converted  # noqa: E402
 from jaxinfer.tokenizer import CONVERTED_TOKENIZER_DIR, load_tokenizer  # noqa: E402
 
 MODEL = flags.DEFINE_string("model", None, "preset name, .gguf file or Hugging Face directory", required=True)
 OUTPUT = flags.DEFINE_string("output", None, "directory to write the orbax checkpoint to", required=True)
-DTYPE = flags.DEFINE_string("dtype", "float32", "dtype of the saved weights, e.g. float32 or bfloat16")
+DTYPE = flags.DEFINE_string("dtype", "float32", "dtype of the saved float weights, e.g. float32 or bfloat16")
+QUANTIZATION = flags.DEFINE_enum("quantization", "none", QUANTIZATIONS,
+                                 "weights saved quantized: a scheme quantized now from the float weights "
+                                 "(int8, int4[-gN], fp8), or 'gguf' to keep a GGUF file's own blocks")
 
 
 def main(argv):
     del argv
     source = resolve_model(MODEL.value)
+    t0 = time.perf_counter()
     # Saved stacked ("scan"), the layout a restore can fill without a second copy.
-    config, weights = load_model(MODEL.value, dtype=DTYPE.value, layer_loop="scan")
+    config, weights = load_model(MODEL.value, dtype=DTYPE.value, layer_loop="scan", quantization=QUANTIZATION.value)
+    print(f"loaded {MODEL.value} (quantization {QUANTIZATION.value}) in {time.perf_counter() - t0:.1f} s")
     save_converted(weights, config, OUTPUT.value)
     tokenizer = load_tokenizer(source)
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(OUTPUT.value, CONVERTED_TOKENIZER_DIR))
-    print(f"wrote {OUTPUT.value} ({config.num_params() / 1e6:.1f}M params, {DTYPE.value})")
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
+    print(f"wrote {OUTPUT.value} ({config.num_params() / 1e6:.1f}M params, {DTYPE.value}, "
+          f"quantization {QUANTIZATION.value}, {nbytes / 1e6:.1f} MB of weights)")
 
 
 if __name__ == "__main__":

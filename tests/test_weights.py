@@ -13,7 +13,8 @@ import torch  # noqa: E402
 
 from helpers import all_position_logits  # noqa: E402
 from jaxinfer.models.config import PRESETS  # noqa: E402
-from jaxinfer.models.weights import CONVERTED_CONFIG, load_model, resolve_model, save_converted  # noqa: E402
+from jaxinfer.models.weights import (CONVERTED_CONFIG, load_model, resolve_model, save_converted,  # noqa: E402
+                                     saved_quantization)
 
 def rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -245,6 +246,42 @@ def test_orbax_roundtrip(tmp_path, saved_loop, loaded_loop):
     assert jax.tree.structure(restored) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _assert_same_weights(got, want):
+    """Same tree (``QArray`` schemes and group sizes included) and every leaf bit for bit."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("quantization", ["int4-g32", "fp8"])
+def test_quantized_orbax_roundtrip(tmp_path, quantization):
+    """Saved quantized, restored as saved (no quantizing again) in either layer layout; loading it
+    as anything else is refused, naming what it holds."""
+    config, weights = load_model("tiny-llama3", load_format="dummy", seed=5, quantization=quantization,
+                                 layer_loop="scan")
+    save_converted(weights, config, str(tmp_path))
+    assert saved_quantization(resolve_model(str(tmp_path))) == quantization
+    for loop in ("scan", "unroll"):
+        _, restored = load_model(str(tmp_path), quantization=quantization, layer_loop=loop)
+        _, want = load_model("tiny-llama3", load_format="dummy", seed=5, quantization=quantization, layer_loop=loop)
+        _assert_same_weights(restored, want)
+    for other in ("none", "int8"):
+        with pytest.raises(ValueError, match=f"holds weights quantized as '{quantization}'.*"
+                                             f"quantization='{quantization}'"):
+            load_model(str(tmp_path), quantization=other)
+
+
+def test_gguf_blocks_orbax_roundtrip(tmp_path):
+    """The embedded model's own blocks (the embedding and norm gains, ``col_scale``, included) saved
+    and restored bit for bit; the engine's ``quantization="auto"`` then asks for ``"gguf"``."""
+    config, weights = load_model("smollm2-135m", quantization="gguf", layer_loop="scan")
+    save_converted(weights, config, str(tmp_path))
+    assert saved_quantization(resolve_model(str(tmp_path))) == "gguf"
+    _, restored = load_model(str(tmp_path), quantization="gguf", layer_loop="scan")
+    _assert_same_weights(restored, weights)
 
 
 def test_orbax_checkpoint_of_an_older_layout_is_refused(tmp_path):

@@ -27,7 +27,7 @@ from jaxinfer.batching.speculative import (DraftProposer, NgramProposer, Propose
 from jaxinfer import native
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
-from jaxinfer.models.weights import load_config, load_model, resolve_model
+from jaxinfer.models.weights import load_config, load_model, resolve_model, saved_quantization
 from jaxinfer.models.spec import cpu_matmul_layout
 from jaxinfer.paged import cpu_attention
 from jaxinfer.paged.block_manager import BlockManager
@@ -144,7 +144,8 @@ class LLMEngine:
                 log.warning("no C++ compiler for the CPU quantized-matmul kernel: running %s in float32 "
                             "(install g++ to run its GGUF blocks natively, about 2x faster)", model)
                 in_blocks = False
-            quantization = "gguf" if in_blocks else "none"
+            # a directory written by scripts/convert_checkpoint.py: as it was saved
+            quantization = "gguf" if in_blocks else saved_quantization(self.source)
         if backend == "cpu" and self.mesh is None:  # the native kernels this engine will call, built meanwhile
             native.prebuild(*([cpu_attention.SOURCE] if config.attention_backend in ("auto", "cpu") else []),
                             *([cpu_kernel.SOURCE] if quantization != "none" else []))

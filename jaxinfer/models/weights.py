@@ -11,8 +11,11 @@ embedding in their own blocks (``jaxinfer.quant.gguf``; norm gains stay explicit
 ``col_scale``); a scheme of ``jaxinfer.quant.SCHEMES`` quantizes the spec's ``quantizable`` leaves of
 float weights from any source (after the norms are folded into them), one leaf at a time on the device.
 int4 loads from GGUF and safetensors also follow the first token through the float layers and weigh
-each matrix's grid search by that token's activations (``_Assembler._sink_importance``); orbax
+each matrix's grid search by that token's activations (``_Assembler._sink_importance``); float orbax
 checkpoints and dummy weights (``quantize_weights``, ``init_dummy_weights``) are quantized unweighted.
+An orbax directory saved quantized (``save_converted``, ``scripts/convert_checkpoint.py
+--quantization``) restores its ``QArray``s as they were saved, and is loaded only with that
+quantization (``saved_quantization``).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_
 from jaxinfer.models.decoder import first_token_layer
 from jaxinfer.models.layers import fold_norm, rms_norm
 from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
-from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme, quantize,
-                            to_device, with_col_scale)
+from jaxinfer.quant import (FORMATS, SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme,
+                            quantize, to_device, with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
 from jaxinfer.user_cache import derived_from
 
@@ -132,6 +135,15 @@ def load_config(source: ModelSource) -> ModelConfig:
         return _config_from_json(json.load(f)["config"])
 
 
+def saved_quantization(source: ModelSource) -> str:
+    """The ``quantization`` a directory written by ``save_converted`` holds its weights in (``"none"``
+    for float weights and for every other source)."""
+    if source.kind != "orbax":
+        return "none"
+    with open(os.path.join(source.path, CONVERTED_CONFIG)) as f:
+        return json.load(f).get("quantization", "none")
+
+
 def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: int = 0,
                layer_loop: str | None = None, mesh: Mesh | None = None,
                quantization: str = "none") -> tuple[ModelConfig, Weights]:
@@ -151,7 +163,11 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     scheme = quantization if quantization in SCHEMES else None
     dtype = _float_dtype(dtype)
     source = resolve_model(model)
-    if quantization == "gguf" and (source.kind != "gguf" or load_format == "dummy"):
+    saved = saved_quantization(source)
+    if saved != "none" and load_format != "dummy" and not _same_quantization(saved, quantization):
+        raise ValueError(f"{model!r} holds weights quantized as {saved!r} (scripts/convert_checkpoint.py); load it "
+                         f"with quantization={saved!r} (the engine's 'auto' does), or convert the source again")
+    if quantization == "gguf" and saved != "gguf" and (source.kind != "gguf" or load_format == "dummy"):
         raise ValueError(f"quantization='gguf' keeps a .gguf file's own blocks; {model!r} "
                          f"({'dummy weights' if load_format == 'dummy' else source.kind}) has none: use one of "
                          f"{SCHEMES} or 'none'")
@@ -170,7 +186,7 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
         weights = _restore_converted(source.path, dtype, mesh)
         if mesh is not None:
             return config, sharding.place_weights(arrange_layers(weights, config), config, mesh)
-        if scheme is not None:
+        if scheme is not None and saved == "none":
             weights = quantize_weights(weights, config, scheme)  # nothing unfolded to start from
         return config, arrange_layers(weights, config)
     if source.kind == "gguf" and quantization == "none" and mesh is None and dtype == np.float32:
@@ -738,12 +754,17 @@ def _config_from_json(d: dict) -> ModelConfig:
 
 def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
     """Write ``weights`` as an orbax checkpoint under ``path`` (plus the config as JSON) so later
-    loads restore arrays directly instead of dequantizing / transposing / fusing again."""
+    loads restore arrays directly instead of dequantizing / transposing / fusing / quantizing again.
+
+    Quantized leaves (``QArray``) are saved as their fields, with each one's format and field shapes
+    in the JSON (orbax keeps arrays, not ``QArray``'s static scheme and group size); the JSON also
+    names the weights' ``quantization``, which a load must ask for (the engine's ``"auto"`` does)."""
     import orbax.checkpoint as ocp
 
-    if any(isinstance(x, QArray) for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QArray))):
-        raise ValueError("saving quantized weights is not supported yet: save float weights (quantization='none') "
-                         "and quantize at load")
+    quantized = {jax.tree_util.keystr(p): dict(scheme=q.scheme, group_size=q.group_size, fields={
+        k: None if a is None else [list(a.shape), str(a.dtype)] for k, a in
+        ((k, getattr(q, k)) for k in ("values", "scales", "offsets", "high", "col_scale"))})
+        for p, q in jax.tree_util.tree_leaves_with_path(weights, is_leaf=_is_quantized) if _is_quantized(q)}
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
     # Record the layout actually saved, so restore can build the matching abstract tree.
@@ -752,8 +773,33 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
         ckpt.save(os.path.join(path, "weights"), weights, force=True)
         ckpt.wait_until_finished()
     with open(os.path.join(path, CONVERTED_CONFIG), "w") as f:
-        json.dump({"config": _config_to_json(saved), "dtype": str(weights.embed.dtype),
-                   "layout": CONVERTED_LAYOUT}, f, indent=1)
+        json.dump({"config": _config_to_json(saved), "dtype": str(weights.final_norm.dtype),
+                   "layout": CONVERTED_LAYOUT, "quantization": _quantization_of(quantized.values()),
+                   "quantized": quantized}, f, indent=1)
+
+
+def _is_quantized(x) -> bool:
+    return isinstance(x, QArray)
+
+
+def _quantization_of(quantized) -> str:
+    """The ``quantization`` that made these ``QArray``s (``save_converted``'s JSON entries)."""
+    kinds = {(q["scheme"], q["group_size"]) for q in quantized}
+    schemes = {s for s, _ in kinds}
+    if not kinds:
+        return "none"
+    if all(FORMATS[s].group_size is not None for s in schemes):  # block formats: a GGUF file's own
+        return "gguf"
+    if len(kinds) == 1 and schemes == {"int4"}:
+        return f"int4-g{kinds.pop()[1]}"
+    if len(schemes) == 1 and schemes <= {"int8", "fp8"}:
+        return schemes.pop()
+    raise ValueError(f"weights mix quantized formats {sorted(kinds)} that no one quantization option makes")
+
+
+def _same_quantization(a: str, b: str) -> bool:
+    """Whether two ``quantization`` names make the same weights (``int4`` is ``int4-g128``)."""
+    return a == b or (a in SCHEMES and b in SCHEMES and parse_scheme(a) == parse_scheme(b))
 
 
 def _restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights:
@@ -767,13 +813,21 @@ def _restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights
         raise ValueError(f"{path} was converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
                          f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
     saved = _config_from_json(meta["config"])
+    quantized = meta.get("quantized", {})
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, abstract_weights(saved))
-    else:
+    else:  # load_model refuses a quantized load over a mesh before this
         shardings = sharding.checkpoint_shardings(saved, mesh, saved.layer_loop == "scan")
-    # Restoring into the target dtype lets orbax cast while reading: no second full-precision copy.
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype, sharding=s), abstract_weights(saved),
-                            shardings)
+
+    def leaf(path, x, s):
+        q = quantized.get(jax.tree_util.keystr(path))
+        if q is None:  # restoring into the target dtype lets orbax cast while reading: no second copy
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=s)
+        fields = {k: None if f is None else jax.ShapeDtypeStruct(tuple(f[0]), jnp.dtype(f[1]), sharding=s)
+                  for k, f in q["fields"].items()}  # codes, scales, offsets: as saved
+        return QArray(**fields, scheme=q["scheme"], group_size=q["group_size"])
+
+    abstract = jax.tree_util.tree_map_with_path(leaf, abstract_weights(saved), shardings)
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(os.path.join(path, "weights"), abstract)
