@@ -23,13 +23,13 @@ from gguf.quants import quantize as gguf_quantize
 from jaxinfer import native
 from jaxinfer.models import layers
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.quant import QArray, check_device_supports, dequantize, quantize, to_device
+from jaxinfer.quant import QArray, check_device_supports, concat, dequantize, quantize, to_device
 from jaxinfer.quant import gguf as gguf_blocks
 from jaxinfer.pallas_kernels import qmatvec
 from jaxinfer.quant import cpu_kernel, matmul
 from jaxinfer.quant.matmul import fp8_activations
 
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def gguf_tensor(rng, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -58,6 +58,70 @@ def test_gguf_blocks_decode_bit_exactly(name):
     got = np.asarray(jax.jit(dequantize)(to_device(gguf_blocks.from_gguf(data, name))))
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("names,scheme", [(("Q5_0", "Q5_0", "Q8_0"), "q8_0"), (("Q4_K", "Q4_K", "Q6_K"), "mixed8"),
+                                          (("Q4_1", "Q8_0", "Q6_K", "Q5_K"), "mixed8")])
+def test_gguf_blocks_of_different_formats_fuse_losslessly(names, scheme):
+    """Fused leaves (q|k|v, gate|up) whose parts llama.cpp stored in different formats (Q4_K_M: some
+    layers' attn_v in Q6_K, or Q8_0 beside Q5_0 where rows are not whole super-blocks) become one
+    8-bit leaf that decodes every weight to the float32 its own format gave."""
+    rng = np.random.default_rng(len(names))
+    raw = [gguf_tensor(rng, name, (4 + i, 512)) for i, name in enumerate(names)]
+    fused = to_device(concat([gguf_blocks.from_gguf(r, n) for r, n in zip(raw, names)]))
+    assert fused.scheme == scheme and fused.values.dtype == np.int8
+    want = np.concatenate([gguf_dequantize(r, GGMLQuantizationType[n]) for r, n in zip(raw, names)])
+    np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(fused)), want)  # equal as numbers (+0 for -0)
+    for tokens in (1, 3):
+        _check_linear(jnp.asarray(rng.standard_normal((tokens, 512)), jnp.float32), fused)
+
+
+def test_a_gguf_mixing_block_types_like_q4_k_m_runs_in_its_blocks(tmp_path):
+    """A Llama GGUF whose tensors mix formats within a layer the way llama.cpp's Q4_K_M does (Q4_K
+    queries and keys beside a Q6_K ``attn_v``; Q5_0 beside Q8_0 where a row is not whole
+    super-blocks) loads in its own blocks and gives the logits of its float32 dequantization."""
+    from gguf import GGUFWriter
+
+    from helpers import all_position_logits
+    from jaxinfer.models.weights import load_model
+
+    rng = np.random.default_rng(3)
+    d, f, vocab, heads, kv_heads = 256, 512, 64, 4, 2
+    w = GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+    for add, value in [("vocab_size", vocab), ("context_length", 128), ("embedding_length", d),
+                       ("feed_forward_length", f), ("block_count", 2), ("head_count", heads),
+                       ("head_count_kv", kv_heads), ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 10000.0)]:
+        getattr(w, f"add_{add}")(value)
+    types = [dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q8_0", attn_output="Q5_1", ffn_gate="Q4_0", ffn_up="Q4_1",
+                  ffn_down="Q6_K"),
+             dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_K", ffn_gate="Q4_K", ffn_up="Q4_K",
+                  ffn_down="Q4_K")]
+    shapes = dict(attn_q=(d, d), attn_k=(d // 2, d), attn_v=(d // 2, d), attn_output=(d, d), ffn_gate=(f, d),
+                  ffn_up=(f, d), ffn_down=(d, f))
+
+    def add(name, type_name, shape):
+        w.add_tensor(name, gguf_tensor(rng, type_name, shape), raw_dtype=GGMLQuantizationType[type_name])
+
+    add("token_embd.weight", "Q8_0", (vocab, d))
+    for i, layer in enumerate(types):
+        for part, type_name in layer.items():
+            add(f"blk.{i}.{part}.weight", type_name, shapes[part])
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, d).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    config, blocks = load_model(str(tmp_path / "mixed.gguf"), quantization="gguf")
+    assert [lw["wqkv"].scheme for lw in blocks.layers] == ["q8_0", "mixed8"]  # unrolled: the layers differ
+    assert blocks.layers[0]["w_gate_up"].scheme == "mixed8" and blocks.layers[1]["w_gate_up"].scheme == "q4_k"
+    _, floats = load_model(str(tmp_path / "mixed.gguf"), quantization="none", layer_loop="unroll")
+    tokens = rng.integers(0, vocab, 24).tolist()
+    want = all_position_logits(config, floats, tokens)
+    np.testing.assert_allclose(all_position_logits(config, blocks, tokens), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
 
 
 def _check_linear(x, w: QArray, out_dtype=None):
@@ -260,15 +324,28 @@ def test_matvec_kernel_lowers_to_triton(scheme):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is the CPU backend's matmul")
 @pytest.mark.parametrize("scheme,din", [("Q4_0", 96), ("Q4_1", 224), ("Q8_0", 160), ("int4-g32", 96),
-                                        ("int4-g64", 576), ("int4-g128", 384), ("int8", 320)])
+                                        ("int4-g64", 576), ("int4-g128", 384), ("int8", 320), ("Q5_0", 160),
+                                        ("Q5_1", 224), ("Q4_K", 256), ("Q5_K", 512), ("Q6_K", 768),
+                                        ("Q4_K+Q6_K", 256), ("Q6_K+Q8_0", 256)])
 @pytest.mark.parametrize("gain", [False, True])
 def test_cpu_kernel_matches_dequantize_then_matmul(scheme, din, gain):
     """On CPU ``qlinear`` runs the native kernel (the custom call is in the compiled step) and equals
     float64 dequantize-then-matmul within float32 rounding: 45 rows (tiles of 4 rows and a partial
     one, chunks of 16 shared by the threads), odd group counts (3, 5, 7, 9), 1-33 tokens (tiles of 4
-    tokens and partial ones), with and without an explicit norm gain on the columns."""
+    tokens and partial ones), with and without an explicit norm gain on the columns. The 5- and
+    6-bit GGUF formats widened as the engine's CPU load widens them (``for_kernel``), and fused
+    leaves of two formats (``mixed8``: groups of 16 with and without offsets)."""
     rng = np.random.default_rng(din)
-    w = _kernel_weight(rng, scheme, 45, din)
+    if "+" in scheme:
+        a, b = scheme.split("+")
+        w = to_device(concat([gguf_blocks.from_gguf(gguf_tensor(rng, n, (rows, din)), n)
+                              for n, rows in ((a, 20), (b, 25))]))
+        assert w.scheme == "mixed8" and w.group_size == 16 and (w.offsets is None) == (a == "Q6_K")
+    else:
+        w = _kernel_weight(rng, scheme, 45, din)
+    widened = cpu_kernel.for_kernel(w)
+    np.testing.assert_array_equal(np.asarray(dequantize(widened)), np.asarray(dequantize(w)))
+    w = widened
     if gain:
         w = layers.fold_norm(rng.uniform(0.2, 3.0, din), w)
     for tokens in (1, 3, 8, 33):
@@ -457,7 +534,7 @@ def test_fp8_on_a_device_without_fp8_is_refused():
 
 
 def test_unsupported_gguf_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match="blk.0.ffn_down.weight.*Q2_K.*Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight.*Q2_K.*Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
         gguf_blocks.from_gguf(np.zeros((4, 84), np.uint8), "Q2_K", "blk.0.ffn_down.weight")
 
 

@@ -43,7 +43,7 @@ from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_
 from jaxinfer.models.decoder import first_token_layer
 from jaxinfer.models.layers import fold_norm, rms_norm
 from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
-from jaxinfer.quant import (FORMATS, SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme,
+from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme,
                             quantize, to_device, with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
 from jaxinfer.user_cache import derived_from
@@ -788,7 +788,7 @@ def _quantization_of(quantized) -> str:
     schemes = {s for s, _ in kinds}
     if not kinds:
         return "none"
-    if all(FORMATS[s].group_size is not None for s in schemes):  # block formats: a GGUF file's own
+    if schemes <= gguf_blocks.NATIVE:  # a GGUF file's own blocks
         return "gguf"
     if len(kinds) == 1 and schemes == {"int4"}:
         return f"int4-g{kinds.pop()[1]}"

@@ -43,7 +43,9 @@ constexpr int kTokenTile = 4;
 constexpr int kPrefetchBytes = 4096;
 
 // Format ids, as cpu_kernel.FORMAT_IDS.
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt4 = 3, kInt8 = 4 };
+// kInt8Groups: int8 codes with a scale (and an offset, where given) per group of 16 or a multiple of 32
+// columns: Q5/Q6_K blocks widened at load (cpu_kernel.for_kernel) and mixed-format fused leaves.
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt4 = 3, kInt8 = 4, kInt8Groups = 5 };
 
 // A vector of 16 float32 lanes: one zmm, two ymm, or a plain array (portable path).
 #if defined(__AVX512F__)
@@ -153,14 +155,15 @@ struct Weights {
   const uint8_t* values;
   const void* scales;
   const void* offsets;
-  bool f32_scales, f32_offsets;
+  bool f32_scales, f32_offsets, has_offsets;
 
   bool four_bit() const { return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kInt4; }
-  // d and m of rows row0 .. row0 + rows - 1, per block of 32 columns: w = q * d + m.
+  // d and m of rows row0 .. row0 + rows - 1, per block of 32 columns (group 16: per half-block):
+  // w = q * d + m.
   void tile_params(int64_t row0, int64_t rows, float* d, float* m) const {
-    const int64_t groups = in / group, per = group / 32, n = rows * groups;
+    const int64_t groups = in / group, per = std::max<int64_t>(1, group / 32), n = rows * groups;
     to_float(scales, f32_scales, row0 * groups, n, d);
-    if (fmt == kQ4_1 || fmt == kInt4) {
+    if (has_offsets) {
       to_float(offsets, f32_offsets, row0 * groups, n, m);
     } else {
       for (int64_t i = 0; i < n; ++i) m[i] = fmt == kQ4_0 ? -8.0f * d[i] : 0.0f;  // (q - 8) * d, rounded once
@@ -188,28 +191,32 @@ inline void codes(const Weights& w, int64_t row, int64_t b, V& lo, V& hi) {
   }
 }
 
+// Parameters per block of 32 columns: 2 for groups of 16 (lo and hi halves), else 1.
+template <bool kHalf>
+constexpr int64_t kPer = kHalf ? 2 : 1;
+
 // Column block b of row `row` decoded to float32 (columns b*32 .. +15 in lo, +16 .. +31 in hi), d
 // and m that row's per-block parameters.
-template <bool kFour>
+template <bool kFour, bool kHalf>
 inline void decode(const Weights& w, int64_t row, int64_t b, const float* d, const float* m, V& lo, V& hi) {
   codes<kFour>(w, row, b, lo, hi);
-  const V dv = vset1(d[b]), mv = vset1(m[b]);
-  lo = vfma(lo, dv, mv);
-  hi = vfma(hi, dv, mv);
+  const int64_t i = b * kPer<kHalf>, j = i + kPer<kHalf> - 1;
+  lo = vfma(lo, vset1(d[i]), vset1(m[i]));
+  hi = vfma(hi, vset1(d[j]), vset1(m[j]));
 }
 
 // y[t, row0 + r] for R rows and TT tokens: each block of codes decoded once, its product with every
 // token accumulated in registers (R * TT accumulators). d, m: the rows' parameters, `blocks` apart.
-template <bool kFour, int R, int TT>
+template <bool kFour, bool kHalf, int R, int TT>
 void tile(const Weights& w, int64_t row0, const float* d, const float* m, const float* x, float* y) {
-  const int64_t blocks = w.in / 32;
+  const int64_t blocks = w.in / 32, stride = blocks * kPer<kHalf>;
   V acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int r = 0; r < R; ++r) {
       V lo, hi;
-      decode<kFour>(w, row0 + r, b, d + r * blocks, m + r * blocks, lo, hi);
+      decode<kFour, kHalf>(w, row0 + r, b, d + r * stride, m + r * stride, lo, hi);
       for (int t = 0; t < TT; ++t)
         acc[r][t] = vfma(hi, vload(x + t * w.in + b * 32 + 16), vfma(lo, vload(x + t * w.in + b * 32), acc[r][t]));
     }
@@ -219,12 +226,13 @@ void tile(const Weights& w, int64_t row0, const float* d, const float* m, const 
 }
 
 // One token, R rows, factored: y = sum_b d_b (q_b . x_b) + sum_b m_b xsum_b (xsum_b: the token's
-// sum over block b), three multiply-adds per block where decoding first takes four; the same
-// result within float32 rounding (one thread, 3072x576 Q4_1: 118 -> 108 us; Q8_0: 107 -> 106).
-template <bool kFour, int R>
+// sum over block b, or half-block for groups of 16), three multiply-adds per block where decoding
+// first takes four; the same result within float32 rounding (one thread, 3072x576 Q4_1: 118 -> 108
+// us; Q8_0: 107 -> 106).
+template <bool kFour, bool kHalf, int R>
 void token_tile(const Weights& w, int64_t row0, const float* d, const float* m, const float* x, const float* xsum,
                 float* y) {
-  const int64_t blocks = w.in / 32;
+  const int64_t blocks = w.in / 32, stride = blocks * kPer<kHalf>;
   V acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -236,49 +244,63 @@ void token_tile(const Weights& w, int64_t row0, const float* d, const float* m, 
 #endif
       V lo, hi;
       codes<kFour>(w, row0 + r, b, lo, hi);
-      acc[r] = vfma(vfma(hi, xh, vmul(lo, xl)), vset1(d[r * blocks + b]), acc[r]);
+      if (kHalf) {
+        const float* dr = d + r * stride + b * 2;
+        acc[r] = vfma(vmul(hi, xh), vset1(dr[1]), vfma(vmul(lo, xl), vset1(dr[0]), acc[r]));
+      } else {
+        acc[r] = vfma(vfma(hi, xh, vmul(lo, xl)), vset1(d[r * blocks + b]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
     float offset = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) offset += m[r * blocks + b] * xsum[b];
+    for (int64_t i = 0; i < stride; ++i) offset += m[r * stride + i] * xsum[i];
     y[row0 + r] = vsum(acc[r]) + offset;
   }
 }
 
 using TokenFn = void (*)(const Weights&, int64_t, const float*, const float*, const float*, const float*, float*);
-template <bool kFour>
-constexpr TokenFn kTokenTiles[kRowTile] = {token_tile<kFour, 1>, token_tile<kFour, 2>, token_tile<kFour, 3>,
-                                           token_tile<kFour, 4>};
+template <bool kFour, bool kHalf>
+constexpr TokenFn kTokenTiles[kRowTile] = {token_tile<kFour, kHalf, 1>, token_tile<kFour, kHalf, 2>,
+                                           token_tile<kFour, kHalf, 3>, token_tile<kFour, kHalf, 4>};
 
 using TileFn = void (*)(const Weights&, int64_t, const float*, const float*, const float*, float*);
-template <bool kFour, int R>
-constexpr TileFn kByTokens[kTokenTile] = {tile<kFour, R, 1>, tile<kFour, R, 2>, tile<kFour, R, 3>, tile<kFour, R, 4>};
-template <bool kFour>
-constexpr const TileFn* kTiles[kRowTile] = {kByTokens<kFour, 1>, kByTokens<kFour, 2>, kByTokens<kFour, 3>,
-                                            kByTokens<kFour, 4>};
+template <bool kFour, bool kHalf, int R>
+constexpr TileFn kByTokens[kTokenTile] = {tile<kFour, kHalf, R, 1>, tile<kFour, kHalf, R, 2>, tile<kFour, kHalf, R, 3>,
+                                          tile<kFour, kHalf, R, 4>};
+template <bool kFour, bool kHalf>
+constexpr const TileFn* kTiles[kRowTile] = {kByTokens<kFour, kHalf, 1>, kByTokens<kFour, kHalf, 2>,
+                                            kByTokens<kFour, kHalf, 3>, kByTokens<kFour, kHalf, 4>};
 
-template <bool kFour>
+template <bool kFour, bool kHalf>
 void rows_of(const Weights& w, const float* x, int64_t tokens, float* y, int64_t begin, int64_t end) {
   thread_local Scratch s;
-  const int64_t blocks = w.in / 32;
-  s.d.resize(kRowTile * blocks);
-  s.m.resize(kRowTile * blocks);
+  const int64_t blocks = w.in / 32, stride = blocks * kPer<kHalf>;
+  s.d.resize(kRowTile * stride);
+  s.m.resize(kRowTile * stride);
   const float *d = s.d.data(), *m = s.m.data();
   if (tokens == 1) {
-    s.xsum.resize(blocks);
-    for (int64_t b = 0; b < blocks; ++b) s.xsum[b] = vsum(vfma(vload(x + b * 32 + 16), vset1(1.0f), vload(x + b * 32)));
+    s.xsum.resize(stride);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const V xl = vload(x + b * 32), xh = vload(x + b * 32 + 16);
+      if (kHalf) {
+        s.xsum[2 * b] = vsum(xl);
+        s.xsum[2 * b + 1] = vsum(xh);
+      } else {
+        s.xsum[b] = vsum(vfma(xh, vset1(1.0f), xl));
+      }
+    }
   }
   for (int64_t row0 = begin; row0 < end; row0 += kRowTile) {
     const int rows = int(std::min<int64_t>(kRowTile, end - row0));
     w.tile_params(row0, rows, s.d.data(), s.m.data());
     if (tokens == 1) {
-      kTokenTiles<kFour>[rows - 1](w, row0, d, m, x, s.xsum.data(), y);
+      kTokenTiles<kFour, kHalf>[rows - 1](w, row0, d, m, x, s.xsum.data(), y);
       continue;
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
       const int tt = int(std::min<int64_t>(kTokenTile, tokens - t0));
-      kTiles<kFour>[rows - 1][tt - 1](w, row0, d, m, x + t0 * w.in, y + t0 * w.out);
+      kTiles<kFour, kHalf>[rows - 1][tt - 1](w, row0, d, m, x + t0 * w.in, y + t0 * w.out);
     }
   }
 }
@@ -292,12 +314,15 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) return ffi::Error::InvalidArgument("x [T, in] -> y [T, out]");
   Weights w{fmt, yd[1], xd[1], group, static_cast<const uint8_t*>(values.untyped_data()), scales.untyped_data(),
             offsets.untyped_data(), scales.element_type() == ffi::DataType::F32,
-            offsets.element_type() == ffi::DataType::F32};
-  if (fmt < kQ4_0 || fmt > kInt8) return ffi::Error::InvalidArgument("unknown format id");
-  if (w.in % 32 || group % 32 || group <= 0 || w.in % group)
-    return ffi::Error::InvalidArgument("in and the group size must be multiples of 32, the group dividing in");
+            offsets.element_type() == ffi::DataType::F32,
+            fmt == kQ4_1 || fmt == kInt4 || (fmt == kInt8Groups && offsets.element_count() != 0)};
+  if (fmt < kQ4_0 || fmt > kInt8Groups) return ffi::Error::InvalidArgument("unknown format id");
+  const bool half = group == 16 && fmt == kInt8Groups;
+  if (w.in % 32 || (group % 32 && !half) || group <= 0 || w.in % group)
+    return ffi::Error::InvalidArgument("in and the group size must be multiples of 32 (16: int8 groups), the group "
+                                       "dividing in");
   const int64_t groups = w.in / group;
-  const bool has_offsets = fmt == kQ4_1 || fmt == kInt4;
+  const bool has_offsets = w.has_offsets;
   if (values.size_bytes() != size_t(w.out * (w.four_bit() ? w.in / 2 : w.in)) ||
       scales.element_count() != size_t(w.out * groups) || !is_float(scales.element_type()) ||
       (has_offsets && (offsets.element_count() != size_t(w.out * groups) || !is_float(offsets.element_type()))))
@@ -314,9 +339,11 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   jaxinfer::parallel_for(pool, workers, (w.out + chunk - 1) / chunk, [=](int64_t c) {
     const int64_t begin = c * chunk, end = std::min(w.out, begin + chunk);
     if (w.four_bit()) {
-      rows_of<true>(w, xp, tokens, yp, begin, end);
+      rows_of<true, false>(w, xp, tokens, yp, begin, end);
+    } else if (half) {
+      rows_of<false, true>(w, xp, tokens, yp, begin, end);
     } else {
-      rows_of<false>(w, xp, tokens, yp, begin, end);
+      rows_of<false, false>(w, xp, tokens, yp, begin, end);
     }
   });
   return ffi::Error::Success();

@@ -5,6 +5,9 @@ Each block type's fields are read the way ``gguf.quants`` reads them and kept as
 
 - Q8_0 (32 int8, f16 ``d``): ``q * d``; Q4_0 (32 nibbles, ``d``): ``(q - 8) * d``;
   Q4_1 (``d``, ``m``): ``q * d + m``. Codes and f16 scales are stored as in the file: the same bytes.
+- Q5_0 / Q5_1 (Q4_0 / Q4_1 plus a fifth bit per code): ``(q - 16) * d``, ``q * d + m``; what
+  llama.cpp's Q4_K_M / Q5_K_M files hold where a row is not whole 256-column super-blocks (a hidden
+  size of 576, 896 or 960: small models);
 - Q4_K / Q5_K (super-blocks of 256: f16 ``d``, ``dmin``, eight 6-bit scales and mins): ``q * (d *
   sc) - dmin * m`` per 32, the two products computed at load exactly as gguf computes them and kept
   in float32 (0.25 bytes per weight more than the file: ~6.5 / 7.5 bits per weight instead of 4.5 / 5.5);
@@ -76,6 +79,19 @@ def _q4_1(b):
                 offsets=_f16(b[..., 2:4]))
 
 
+def _q5(b, offsets: bool):
+    """Q5_0 (``d``, 32 high bits, 16 bytes of nibbles: ``(q - 16) * d``) and Q5_1 (``d``, ``m``, then
+    the same: ``q * d + m``): the nibbles as Q4_0's, the fifth bits (bit ``i`` of the little-endian
+    word: column ``i``) repacked into ``high``."""
+    lead, at = b.shape[:-2], 4 if offsets else 2
+    h = np.unpackbits(b[..., at:at + 4], axis=-1, bitorder="little")  # [..., nb, 32]: column i's bit
+    out = dict(values=b[..., at + 4:].reshape(*lead, -1).copy(), scales=_f16(b[..., 0:2]),
+               high=_pack_high(h.reshape(*lead, -1), 1))
+    if offsets:
+        out["offsets"] = _f16(b[..., 2:4])
+    return out
+
+
 def _k_scales(b):
     d = _f16(b[..., 0:2]).astype(np.float32)[..., None]
     dmin = _f16(b[..., 2:4]).astype(np.float32)[..., None]
@@ -114,9 +130,11 @@ def _q6_k(b):
 
 # GGML type name -> (QArray scheme, bytes per block of its elements, elements per block, parser)
 _TYPES = {"Q8_0": ("q8_0", 34, 32, _q8_0), "Q4_0": ("q4_0", 18, 32, _q4_0), "Q4_1": ("q4_1", 20, 32, _q4_1),
+          "Q5_0": ("q5_0", 22, 32, lambda b: _q5(b, False)), "Q5_1": ("q5_1", 24, 32, lambda b: _q5(b, True)),
           "Q4_K": ("q4_k", 144, QK_K, _q4_k), "Q5_K": ("q5_k", 176, QK_K, _q5_k),
           "Q6_K": ("q6_k", 210, QK_K, _q6_k)}
 SUPPORTED = tuple(_TYPES)
+NATIVE = frozenset({scheme for scheme, *_ in _TYPES.values()} | {"mixed8"})  # QArray schemes a GGUF load makes
 
 
 def is_quantized(type_name: str) -> bool:

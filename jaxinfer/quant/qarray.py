@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +56,16 @@ FORMATS = {f.name: f for f in (
     Format("q8_0", 8, 32, signed=True),
     Format("q4_0", 4, 32, zero=8),
     Format("q4_1", 4, 32, offsets=True),
+    Format("q5_0", 5, 32, zero=16),
+    Format("q5_1", 5, 32, offsets=True),
     Format("q4_k", 4, 32, offsets=True),
     Format("q5_k", 5, 32, offsets=True),
     Format("q6_k", 6, 16, zero=32),
+    # GGUF blocks widened to int8 codes ``q - zero`` (every weight decodes as its own format did):
+    # tensors of different formats fused into one leaf (``concat``: the finest part's group size,
+    # each part's scales and offsets, zero where it has none, repeated to it), and on CPU the 5- and
+    # 6-bit formats (``cpu_kernel.for_kernel``; offsets only where the format has them).
+    Format("mixed8", 8, None, signed=True, offsets=True),
 )}
 
 
@@ -120,7 +128,7 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
     if f.zero:
         q = q - f.zero
     out = q.astype(jnp.float32) * w.scales.astype(jnp.float32)[..., None]
-    if f.offsets:
+    if w.offsets is not None:  # mixed8's are optional
         out = out + w.offsets.astype(jnp.float32)[..., None]
     return out.reshape(*lead, n).astype(dtype)
 
@@ -148,13 +156,25 @@ def concat(parts: list, axis: int = -2):
         return np.concatenate(parts, axis=axis)
     if axis != -2:
         raise ValueError("quantized weights concatenate along their out rows (axis=-2) only")
-    kinds = {(p.scheme, p.group_size) for p in parts}
-    if len(kinds) > 1:
-        raise ValueError(f"cannot fuse quantized weights of different formats {sorted(kinds)} into one leaf; "
-                         "load this checkpoint in full precision (quantization='none')")
+    if len({(p.scheme, p.group_size) for p in parts}) > 1:
+        parts = [_widened(p, parts) for p in parts]
     merged = {k: None if a is None else (a if k == "col_scale" else np.concatenate(
         [np.asarray(getattr(p, k)) for p in parts], axis=-2)) for k, a in _fields(parts[0]).items()}
     return dataclasses.replace(parts[0], **merged)
+
+
+def _widened(w: QArray, parts: list[QArray]) -> QArray:
+    """``w``, one of ``parts`` (row blocks of different formats to fuse: llama.cpp's Q4_K_M puts some
+    layers' ``attn_v`` in Q6_K or Q8_0 beside Q4_K or Q5_0 queries and keys), as the 8-bit format
+    all of them fit: Q8_0 where none has offsets and every group is 32 columns with float16 scales
+    (Q4_0 / Q5_0 beside Q8_0), else ``mixed8``. Lossless: each weight decodes to the same float32."""
+    group = math.gcd(*(p.group_size for p in parts))
+    no_offsets = all(p.offsets is None for p in parts)
+    q8_0 = group == 32 and no_offsets and all(p.scales.dtype == np.float16 for p in parts)
+    codes = (np.asarray(w.codes()) - w.format.zero).astype(np.int8)
+    rep = lambda a: np.repeat(np.asarray(a, np.float16 if q8_0 else np.float32), w.group_size // group, axis=-1)  # noqa: E731
+    offsets = None if no_offsets else rep(w.offsets if w.offsets is not None else np.zeros(w.scales.shape))
+    return QArray(codes, rep(w.scales), offsets, None, w.col_scale, "q8_0" if q8_0 else "mixed8", group)
 
 
 def map_rows(w, fn):
