@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.quant import QArray, cpu_kernel
+from jaxinfer.quant import QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,22 +133,21 @@ def arrange_layers(weights: Weights, config: ModelConfig) -> Weights:
 def cpu_matmul_layout(weights: Weights, config: ModelConfig) -> Weights:
     """``weights`` with every dense matmul weight as ``InOut`` (the spec's quantizable 2-D leaves, the
     lm_head, and the embedding when the lm_head is tied to it: its rows are then gathered as columns
-    of the transposed table). Quantized leaves (``QArray``) stay ``[out, in]``, in a format the CPU
-    kernel reads (``cpu_kernel.for_kernel``); expert stacks as they are. For one CPU device: a mesh's
-    shardings name the ``[out, in]`` axes."""
+    of the transposed table). Quantized leaves (``QArray``) and expert stacks stay as they are. For
+    one CPU device: a mesh's shardings name the ``[out, in]`` axes."""
     spec = param_spec(config)
     transpose = jax.jit(lambda x: InOut(jnp.swapaxes(x, -1, -2)))
 
     def layer(lw: dict) -> dict:
-        return {k: cpu_kernel.for_kernel(v) if isinstance(v, QArray) else transpose(v)
-                if spec.layer[k].quantizable and len(spec.layer[k].shape) == 2 else v for k, v in lw.items()}
+        return {k: transpose(v) if spec.layer[k].quantizable and len(spec.layer[k].shape) == 2
+                and not isinstance(v, QArray) else v for k, v in lw.items()}
 
     layers = [layer(lw) for lw in weights.layers] if isinstance(weights.layers, list) else layer(weights.layers)
     dense = lambda x: x is not None and not isinstance(x, QArray)
     tied = weights.lm_head is None
-    embed = transpose(weights.embed) if tied and dense(weights.embed) else cpu_kernel.for_kernel(weights.embed)
-    lm_head = transpose(weights.lm_head) if dense(weights.lm_head) else cpu_kernel.for_kernel(weights.lm_head)
-    return dataclasses.replace(weights, layers=layers, embed=embed, lm_head=lm_head)
+    return dataclasses.replace(weights, layers=layers,
+                               embed=transpose(weights.embed) if tied and dense(weights.embed) else weights.embed,
+                               lm_head=transpose(weights.lm_head) if dense(weights.lm_head) else weights.lm_head)
 
 
 def init_dummy_weights(config: ModelConfig, key: jax.Array, dtype=jnp.float32, finish=None) -> Weights:

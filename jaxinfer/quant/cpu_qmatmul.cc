@@ -5,8 +5,8 @@
 // value dequantize() computes, or that value rounded once instead of twice for Q4_1 / int4) and
 // multiply-accumulated in float32 against the activations, so the result is dequantize-then-matmul
 // within float32 rounding. Layout (qarray.py): codes [out, in / 2] nibbles (byte j of each 32
-// columns: column j low, j + 16 high) or [out, in] int8; scales and offsets [out, in / group],
-// float16 or float32.
+// columns: column j low, j + 16 high), with 5- and 6-bit codes' upper bits in `high` [out, in / 8 *
+// (bits - 4)], or [out, in] int8; scales and offsets [out, in / group], float16 or float32.
 //
 // Work: output rows in chunks that the caller and XLA's intra-op pool take from one counter; within
 // a chunk, tiles of kRowTile rows x kTokenTile tokens, each block of codes decoded once per tile into
@@ -44,8 +44,12 @@ constexpr int kPrefetchBytes = 4096;
 
 // Format ids, as cpu_kernel.FORMAT_IDS.
 // kInt8Groups: int8 codes with a scale (and an offset, where given) per group of 16 or a multiple of 32
-// columns: Q5/Q6_K blocks widened at load (cpu_kernel.for_kernel) and mixed-format fused leaves.
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt4 = 3, kInt8 = 4, kInt8Groups = 5 };
+// columns (GGUF tensors of different formats fused into one leaf). kQ5_0: 5-bit codes, q - 16;
+// kQ5Offsets: Q5_1 / Q5_K, q * d + m; kQ6_K: 6-bit, q - 32, groups of 16. The codes' fifth and sixth
+// bits are in `high` as bit planes: per 32 columns one 32-bit word per bit, bit c for column c.
+enum Format : int64_t {
+  kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt4 = 3, kInt8 = 4, kInt8Groups = 5, kQ5_0 = 6, kQ5Offsets = 7, kQ6_K = 8
+};
 
 // A vector of 16 float32 lanes: one zmm, two ymm, or a plain array (portable path).
 #if defined(__AVX512F__)
@@ -67,6 +71,19 @@ inline void nibbles(const uint8_t* p, V& lo, V& hi) {
 inline void bytes(const int8_t* p, V& lo, V& hi) {
   lo.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   hi.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+// 32 nibbles plus their fifth (kBits 5) or fifth and sixth (6) bits: each bit plane of `h` (a 32-bit
+// word, bit c for column c) is a lane mask for adding 16 (32) to the nibbles' floats.
+template <int kBits>
+inline void nibbles_high(const uint8_t* p, const uint8_t* h, V& lo, V& hi) {
+  nibbles(p, lo, hi);
+  for (int plane = 0; plane < kBits - 4; ++plane) {
+    uint32_t word;
+    std::memcpy(&word, h + 4 * plane, 4);
+    const __m512 add = _mm512_set1_ps(float(16 << plane));
+    lo.v = _mm512_mask_add_ps(lo.v, __mmask16(word & 0xFFFF), lo.v, add);
+    hi.v = _mm512_mask_add_ps(hi.v, __mmask16(word >> 16), hi.v, add);
+  }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 struct V { __m256 a, b; };
@@ -98,6 +115,22 @@ inline void bytes(const int8_t* p, V& lo, V& hi) {
   lo = {i8x8(l), i8x8(_mm_srli_si128(l, 8))};
   hi = {i8x8(h), i8x8(_mm_srli_si128(h, 8))};
 }
+template <int kBits>
+inline void nibbles_high(const uint8_t* p, const uint8_t* h, V& lo, V& hi) {
+  nibbles(p, lo, hi);
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int plane = 0; plane < kBits - 4; ++plane) {
+    uint32_t word;
+    std::memcpy(&word, h + 4 * plane, 4);
+    const __m256 add = _mm256_set1_ps(float(16 << plane));
+    auto part = [&](int first) {  // 16 << plane in lanes first .. first + 7 whose bit is set, else 0
+      const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(int(word >> first)), lane);
+      return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane)), add);
+    };
+    lo = {_mm256_add_ps(lo.a, part(0)), _mm256_add_ps(lo.b, part(8))};
+    hi = {_mm256_add_ps(hi.a, part(16)), _mm256_add_ps(hi.b, part(24))};
+  }
+}
 #else
 struct V { float v[16]; };
 inline V vzero() { return V{}; }
@@ -112,6 +145,13 @@ inline void nibbles(const uint8_t* p, V& lo, V& hi) {
 }
 inline void bytes(const int8_t* p, V& lo, V& hi) {
   for (int i = 0; i < 16; ++i) { lo.v[i] = float(p[i]); hi.v[i] = float(p[i + 16]); }
+}
+template <int kBits>
+inline void nibbles_high(const uint8_t* p, const uint8_t* h, V& lo, V& hi) {
+  nibbles(p, lo, hi);
+  for (int plane = 0; plane < kBits - 4; ++plane)
+    for (int c = 0; c < 32; ++c)
+      if ((h[4 * plane + c / 8] >> (c % 8)) & 1) (c < 16 ? lo.v[c] : hi.v[c - 16]) += float(16 << plane);
 }
 #endif
 
@@ -153,11 +193,15 @@ void to_float(const void* p, bool f32, int64_t first, int64_t n, float* out) {
 struct Weights {
   int64_t fmt, out, in, group;
   const uint8_t* values;
+  const uint8_t* high;  // 5- and 6-bit formats' upper bits
   const void* scales;
   const void* offsets;
   bool f32_scales, f32_offsets, has_offsets;
 
-  bool four_bit() const { return fmt == kQ4_0 || fmt == kQ4_1 || fmt == kInt4; }
+  int bits() const {
+    return fmt == kQ5_0 || fmt == kQ5Offsets ? 5 : fmt == kQ6_K ? 6 : fmt == kQ4_0 || fmt == kQ4_1 || fmt == kInt4 ? 4 : 8;
+  }
+  float zero() const { return fmt == kQ4_0 ? 8.0f : fmt == kQ5_0 ? 16.0f : fmt == kQ6_K ? 32.0f : 0.0f; }
   // d and m of rows row0 .. row0 + rows - 1, per block of 32 columns (group 16: per half-block):
   // w = q * d + m.
   void tile_params(int64_t row0, int64_t rows, float* d, float* m) const {
@@ -166,7 +210,7 @@ struct Weights {
     if (has_offsets) {
       to_float(offsets, f32_offsets, row0 * groups, n, m);
     } else {
-      for (int64_t i = 0; i < n; ++i) m[i] = fmt == kQ4_0 ? -8.0f * d[i] : 0.0f;  // (q - 8) * d, rounded once
+      for (int64_t i = 0; i < n; ++i) m[i] = -zero() * d[i];  // (q - zero) * d, rounded once
     }
     for (int64_t i = n - 1; per > 1 && i >= 0; --i)  // one per group -> one per block, in place from the end
       for (int64_t k = per - 1; k >= 0; --k) {
@@ -182,12 +226,15 @@ struct Scratch {
 };
 
 // Column block b of row `row`: its codes q as float32 (lo: columns b*32 .. +15, hi: +16 .. +31).
-template <bool kFour>
+template <int kBits>
 inline void codes(const Weights& w, int64_t row, int64_t b, V& lo, V& hi) {
-  if (kFour) {
+  if (kBits == 8) {
+    bytes(reinterpret_cast<const int8_t*>(w.values) + row * w.in + b * 32, lo, hi);
+  } else if (kBits == 4) {
     nibbles(w.values + row * (w.in / 2) + b * 16, lo, hi);
   } else {
-    bytes(reinterpret_cast<const int8_t*>(w.values) + row * w.in + b * 32, lo, hi);
+    constexpr int64_t kHighBytes = (kBits - 4) * 4;  // per 32 columns
+    nibbles_high<kBits>(w.values + row * (w.in / 2) + b * 16, w.high + (row * (w.in / 32) + b) * kHighBytes, lo, hi);
   }
 }
 
@@ -197,9 +244,9 @@ constexpr int64_t kPer = kHalf ? 2 : 1;
 
 // Column block b of row `row` decoded to float32 (columns b*32 .. +15 in lo, +16 .. +31 in hi), d
 // and m that row's per-block parameters.
-template <bool kFour, bool kHalf>
+template <int kBits, bool kHalf>
 inline void decode(const Weights& w, int64_t row, int64_t b, const float* d, const float* m, V& lo, V& hi) {
-  codes<kFour>(w, row, b, lo, hi);
+  codes<kBits>(w, row, b, lo, hi);
   const int64_t i = b * kPer<kHalf>, j = i + kPer<kHalf> - 1;
   lo = vfma(lo, vset1(d[i]), vset1(m[i]));
   hi = vfma(hi, vset1(d[j]), vset1(m[j]));
@@ -207,7 +254,7 @@ inline void decode(const Weights& w, int64_t row, int64_t b, const float* d, con
 
 // y[t, row0 + r] for R rows and TT tokens: each block of codes decoded once, its product with every
 // token accumulated in registers (R * TT accumulators). d, m: the rows' parameters, `blocks` apart.
-template <bool kFour, bool kHalf, int R, int TT>
+template <int kBits, bool kHalf, int R, int TT>
 void tile(const Weights& w, int64_t row0, const float* d, const float* m, const float* x, float* y) {
   const int64_t blocks = w.in / 32, stride = blocks * kPer<kHalf>;
   V acc[R][TT];
@@ -216,7 +263,7 @@ void tile(const Weights& w, int64_t row0, const float* d, const float* m, const 
   for (int64_t b = 0; b < blocks; ++b) {
     for (int r = 0; r < R; ++r) {
       V lo, hi;
-      decode<kFour, kHalf>(w, row0 + r, b, d + r * stride, m + r * stride, lo, hi);
+      decode<kBits, kHalf>(w, row0 + r, b, d + r * stride, m + r * stride, lo, hi);
       for (int t = 0; t < TT; ++t)
         acc[r][t] = vfma(hi, vload(x + t * w.in + b * 32 + 16), vfma(lo, vload(x + t * w.in + b * 32), acc[r][t]));
     }
@@ -229,7 +276,7 @@ void tile(const Weights& w, int64_t row0, const float* d, const float* m, const 
 // sum over block b, or half-block for groups of 16), three multiply-adds per block where decoding
 // first takes four; the same result within float32 rounding (one thread, 3072x576 Q4_1: 118 -> 108
 // us; Q8_0: 107 -> 106).
-template <bool kFour, bool kHalf, int R>
+template <int kBits, bool kHalf, int R>
 void token_tile(const Weights& w, int64_t row0, const float* d, const float* m, const float* x, const float* xsum,
                 float* y) {
   const int64_t blocks = w.in / 32, stride = blocks * kPer<kHalf>;
@@ -239,11 +286,11 @@ void token_tile(const Weights& w, int64_t row0, const float* d, const float* m, 
     const V xl = vload(x + b * 32), xh = vload(x + b * 32 + 16);
     for (int r = 0; r < R; ++r) {
 #if defined(__SSE2__)
-      _mm_prefetch(reinterpret_cast<const char*>(w.values + (row0 + r) * (kFour ? w.in / 2 : w.in) +
-                                                 b * (kFour ? 16 : 32)) + kPrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w.values + (row0 + r) * (kBits < 8 ? w.in / 2 : w.in) +
+                                                 b * (kBits < 8 ? 16 : 32)) + kPrefetchBytes, _MM_HINT_T1);
 #endif
       V lo, hi;
-      codes<kFour>(w, row0 + r, b, lo, hi);
+      codes<kBits>(w, row0 + r, b, lo, hi);
       if (kHalf) {
         const float* dr = d + r * stride + b * 2;
         acc[r] = vfma(vmul(hi, xh), vset1(dr[1]), vfma(vmul(lo, xl), vset1(dr[0]), acc[r]));
@@ -260,19 +307,19 @@ void token_tile(const Weights& w, int64_t row0, const float* d, const float* m, 
 }
 
 using TokenFn = void (*)(const Weights&, int64_t, const float*, const float*, const float*, const float*, float*);
-template <bool kFour, bool kHalf>
-constexpr TokenFn kTokenTiles[kRowTile] = {token_tile<kFour, kHalf, 1>, token_tile<kFour, kHalf, 2>,
-                                           token_tile<kFour, kHalf, 3>, token_tile<kFour, kHalf, 4>};
+template <int kBits, bool kHalf>
+constexpr TokenFn kTokenTiles[kRowTile] = {token_tile<kBits, kHalf, 1>, token_tile<kBits, kHalf, 2>,
+                                           token_tile<kBits, kHalf, 3>, token_tile<kBits, kHalf, 4>};
 
 using TileFn = void (*)(const Weights&, int64_t, const float*, const float*, const float*, float*);
-template <bool kFour, bool kHalf, int R>
-constexpr TileFn kByTokens[kTokenTile] = {tile<kFour, kHalf, R, 1>, tile<kFour, kHalf, R, 2>, tile<kFour, kHalf, R, 3>,
-                                          tile<kFour, kHalf, R, 4>};
-template <bool kFour, bool kHalf>
-constexpr const TileFn* kTiles[kRowTile] = {kByTokens<kFour, kHalf, 1>, kByTokens<kFour, kHalf, 2>,
-                                            kByTokens<kFour, kHalf, 3>, kByTokens<kFour, kHalf, 4>};
+template <int kBits, bool kHalf, int R>
+constexpr TileFn kByTokens[kTokenTile] = {tile<kBits, kHalf, R, 1>, tile<kBits, kHalf, R, 2>, tile<kBits, kHalf, R, 3>,
+                                          tile<kBits, kHalf, R, 4>};
+template <int kBits, bool kHalf>
+constexpr const TileFn* kTiles[kRowTile] = {kByTokens<kBits, kHalf, 1>, kByTokens<kBits, kHalf, 2>,
+                                            kByTokens<kBits, kHalf, 3>, kByTokens<kBits, kHalf, 4>};
 
-template <bool kFour, bool kHalf>
+template <int kBits, bool kHalf>
 void rows_of(const Weights& w, const float* x, int64_t tokens, float* y, int64_t begin, int64_t end) {
   thread_local Scratch s;
   const int64_t blocks = w.in / 32, stride = blocks * kPer<kHalf>;
@@ -295,35 +342,38 @@ void rows_of(const Weights& w, const float* x, int64_t tokens, float* y, int64_t
     const int rows = int(std::min<int64_t>(kRowTile, end - row0));
     w.tile_params(row0, rows, s.d.data(), s.m.data());
     if (tokens == 1) {
-      kTokenTiles<kFour, kHalf>[rows - 1](w, row0, d, m, x, s.xsum.data(), y);
+      kTokenTiles<kBits, kHalf>[rows - 1](w, row0, d, m, x, s.xsum.data(), y);
       continue;
     }
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
       const int tt = int(std::min<int64_t>(kTokenTile, tokens - t0));
-      kTiles<kFour, kHalf>[rows - 1][tt - 1](w, row0, d, m, x + t0 * w.in, y + t0 * w.out);
+      kTiles<kBits, kHalf>[rows - 1][tt - 1](w, row0, d, m, x + t0 * w.in, y + t0 * w.out);
     }
   }
 }
 
 bool is_float(ffi::DataType t) { return t == ffi::DataType::F16 || t == ffi::DataType::F32; }
 
-ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
-                       ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y, int64_t fmt, int64_t group,
-                       int64_t threads) {
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer high,
+                       ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y, int64_t fmt,
+                       int64_t group, int64_t threads) {
   const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) return ffi::Error::InvalidArgument("x [T, in] -> y [T, out]");
-  Weights w{fmt, yd[1], xd[1], group, static_cast<const uint8_t*>(values.untyped_data()), scales.untyped_data(),
+  Weights w{fmt, yd[1], xd[1], group, static_cast<const uint8_t*>(values.untyped_data()),
+            static_cast<const uint8_t*>(high.untyped_data()), scales.untyped_data(),
             offsets.untyped_data(), scales.element_type() == ffi::DataType::F32,
             offsets.element_type() == ffi::DataType::F32,
-            fmt == kQ4_1 || fmt == kInt4 || (fmt == kInt8Groups && offsets.element_count() != 0)};
-  if (fmt < kQ4_0 || fmt > kInt8Groups) return ffi::Error::InvalidArgument("unknown format id");
-  const bool half = group == 16 && fmt == kInt8Groups;
-  if (w.in % 32 || (group % 32 && !half) || group <= 0 || w.in % group)
-    return ffi::Error::InvalidArgument("in and the group size must be multiples of 32 (16: int8 groups), the group "
-                                       "dividing in");
+            fmt == kQ4_1 || fmt == kInt4 || fmt == kQ5Offsets || (fmt == kInt8Groups && offsets.element_count() != 0)};
+  if (fmt < kQ4_0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("unknown format id");
+  const bool half = group == 16 && (fmt == kInt8Groups || fmt == kQ6_K);
+  if (w.in % 32 || (group % 32 && !half) || group <= 0 || w.in % group || (fmt == kQ6_K && !half))
+    return ffi::Error::InvalidArgument("in and the group size must be multiples of 32 (16: int8 groups, Q6_K), the "
+                                       "group dividing in");
+  const int bits = w.bits();
   const int64_t groups = w.in / group;
   const bool has_offsets = w.has_offsets;
-  if (values.size_bytes() != size_t(w.out * (w.four_bit() ? w.in / 2 : w.in)) ||
+  if (values.size_bytes() != size_t(w.out * (bits < 8 ? w.in / 2 : w.in)) ||
+      high.size_bytes() != size_t(bits == 5 || bits == 6 ? w.out * w.in / 8 * (bits - 4) : 0) ||
       scales.element_count() != size_t(w.out * groups) || !is_float(scales.element_type()) ||
       (has_offsets && (offsets.element_count() != size_t(w.out * groups) || !is_float(offsets.element_type()))))
     return ffi::Error::InvalidArgument("codes, scales or offsets do not match [out, in] and the group size");
@@ -338,12 +388,16 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   float* yp = y->typed_data();
   jaxinfer::parallel_for(pool, workers, (w.out + chunk - 1) / chunk, [=](int64_t c) {
     const int64_t begin = c * chunk, end = std::min(w.out, begin + chunk);
-    if (w.four_bit()) {
-      rows_of<true, false>(w, xp, tokens, yp, begin, end);
-    } else if (half) {
-      rows_of<false, true>(w, xp, tokens, yp, begin, end);
-    } else {
-      rows_of<false, false>(w, xp, tokens, yp, begin, end);
+    switch (bits) {
+      case 4: rows_of<4, false>(w, xp, tokens, yp, begin, end); break;
+      case 5: rows_of<5, false>(w, xp, tokens, yp, begin, end); break;
+      case 6: rows_of<6, true>(w, xp, tokens, yp, begin, end); break;
+      default:
+        if (half) {
+          rows_of<8, true>(w, xp, tokens, yp, begin, end);
+        } else {
+          rows_of<8, false>(w, xp, tokens, yp, begin, end);
+        }
     }
   });
   return ffi::Error::Success();
@@ -357,6 +411,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQMatmul, QMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

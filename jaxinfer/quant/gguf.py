@@ -37,15 +37,11 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _pack_high(h: np.ndarray, bits: int) -> np.ndarray:
-    """Upper code bits ``[..., n]`` (``bits`` each), per 32 columns ``nb = 32 * bits / 8`` bytes,
-    byte ``j`` holding column ``j + k * nb`` at shift ``k * bits``."""
+    """Upper code bits ``[..., n]`` (``bits`` each) as bit planes: per 32 columns ``bits`` little-endian
+    32-bit words, bit ``c`` of word ``p`` holding bit ``p`` of column ``c`` (Q5_0's own ``qh``)."""
     *lead, n = h.shape
-    nb = 32 * bits // 8
-    h = h.reshape(*lead, n // 32, 8 // bits, nb).astype(np.uint8)
-    out = np.zeros((*lead, n // 32, nb), np.uint8)
-    for k in range(8 // bits):
-        out |= h[..., k, :] << (k * bits)
-    return out.reshape(*lead, n // 32 * nb)
+    planes = (h.reshape(*lead, n // 32, 1, 32) >> np.arange(bits, dtype=np.uint8).reshape(bits, 1)) & 1
+    return np.packbits(planes.astype(np.uint8), axis=-1, bitorder="little").reshape(*lead, n // 8 * bits)
 
 
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:

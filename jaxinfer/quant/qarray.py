@@ -14,9 +14,10 @@ so slicing, stacking (``layers``) and sharding a leaf along either axis keeps ea
 group's parameters with it, as long as a shard boundary falls on a group boundary.
 
 Packing: 4-bit codes two per byte, within each run of 32 columns byte ``j`` holding column ``j``
-(low nibble) and ``j + 16`` (high nibble), GGUF Q4_0/Q4_1's own order; Q5_K/Q6_K's fifth/sixth
-bits in ``high``, within each 32 columns byte ``j`` holding bits of columns ``j + k * nb`` at shift
-``k * bits`` (``nb = 32 * bits / 8``). int8 and fp8 codes are stored as they are.
+(low nibble) and ``j + 16`` (high nibble), GGUF Q4_0/Q4_1's own order; Q5_0/Q5_1/Q5_K/Q6_K's fifth
+(and sixth) bits in ``high`` as bit planes: per 32 columns one little-endian 32-bit word per upper
+bit, bit ``c`` for column ``c`` (Q5_0's own ``qh``; the CPU kernel adds 16 or 32 under each word as
+a lane mask). int8 and fp8 codes are stored as they are.
 
 ``col_scale`` ``[..., in]`` multiplies the activations' columns before the matmul: it is how an
 RMSNorm gain stays explicit for weights whose blocks cannot absorb it (GGUF loaded natively: a
@@ -61,10 +62,9 @@ FORMATS = {f.name: f for f in (
     Format("q4_k", 4, 32, offsets=True),
     Format("q5_k", 5, 32, offsets=True),
     Format("q6_k", 6, 16, zero=32),
-    # GGUF blocks widened to int8 codes ``q - zero`` (every weight decodes as its own format did):
-    # tensors of different formats fused into one leaf (``concat``: the finest part's group size,
-    # each part's scales and offsets, zero where it has none, repeated to it), and on CPU the 5- and
-    # 6-bit formats (``cpu_kernel.for_kernel``; offsets only where the format has them).
+    # GGUF tensors of different formats fused into one leaf (``concat``): int8 codes ``q - zero`` at
+    # the finest part's group size, each part's scales (and offsets, zero where it has none, if any
+    # part has them) repeated to it, so every weight decodes as its own format decoded it.
     Format("mixed8", 8, None, signed=True, offsets=True),
 )}
 
@@ -107,12 +107,12 @@ class QArray:
         v = self.values.reshape(*lead, n // 16, 1, 16)
         q = (v >> jnp.array([0, 4], jnp.uint8)[:, None]) & jnp.uint8(15)
         q = q.reshape(*lead, n * 2)
-        if f.bits > 4:
+        if f.bits > 4:  # bit planes: per 32 columns a 32-bit word per upper bit, bit c for column c
             hb = f.bits - 4
-            nb = 32 * hb // 8
-            h = self.high.reshape(*lead, -1, 1, nb)
-            h = (h >> (jnp.arange(8 // hb, dtype=jnp.uint8) * hb)[:, None]) & jnp.uint8((1 << hb) - 1)
-            q = q | (h.reshape(*lead, n * 2) << jnp.uint8(4))
+            h = self.high.reshape(*lead, n // 16, hb, 4, 1)
+            bits = ((h >> jnp.arange(8, dtype=jnp.uint8)) & jnp.uint8(1)).reshape(*lead, n // 16, hb, 32)
+            high = functools.reduce(jnp.bitwise_or, [bits[..., p, :] << jnp.uint8(p) for p in range(hb)])
+            q = q | (high.reshape(*lead, n * 2) << jnp.uint8(4))
         return q.astype(jnp.int32)
 
 
