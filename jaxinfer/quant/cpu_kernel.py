@@ -13,7 +13,7 @@ Built on first use, not at install (``jaxinfer.native``).
 
 Formats: ``q4_0``, ``q4_1``, ``q8_0``, ``int4`` and ``q4_k`` (4-bit codes, a scale and offset per
 group of any multiple of 32), ``q5_0``, ``q5_1``, ``q5_k`` and ``q6_k`` (nibbles plus their fifth /
-sixth bits, which the kernel shifts out of ``high`` per lane: Q6_K in groups of 16), ``int8`` (one
+sixth bits, whose bit planes in ``high`` the kernel uses as lane masks; Q6_K in groups of 16), ``int8`` (one
 scale per row) and ``mixed8`` (int8 codes, a scale and optional offset per 16 or a multiple of 32
 columns), 2-D weights whose input dimension is a multiple of 32.
 """
