@@ -16,8 +16,9 @@ flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and
                   "float32 on CPU, bfloat16 on accelerators).")
 flags.DEFINE_enum("quantization", "auto", ["auto", *QUANTIZATIONS],
                   "Weight quantization (auto: a .gguf file runs in its own blocks unless --dtype is given, on "
-                  "CPU through a native kernel built once with the C++ compiler, float32 if there is none; "
-                  "gguf: those blocks; none: full precision; int8/int4[-gN]/fp8: quantized at load).")
+                  "CPU through a native kernel built once with the C++ compiler, float32 if there is none; a "
+                  "directory written by convert_checkpoint.py --quantization as saved; gguf: those blocks; "
+                  "none: full precision; int8/int4[-gN]/fp8: quantized at load).")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8"],
                   "KV cache storage (vLLM's --kv-cache-dtype): auto: the model's dtype; int8 / fp8 (e4m3): "
                   "codes with a float32 scale per token and kv head, about half of bf16's bytes.")
