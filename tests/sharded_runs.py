@@ -2,9 +2,9 @@
 
 XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
 these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
-``MODEL:TP:DP`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the embedded
-SmolLM2), ``collectives:MODEL:TP[:BACKEND]`` (a prefill and a decode step's logits, the prefill's compiled
-collectives; on one device ``collectives:MODEL:1:pallas_gpu`` checks the GPU kernels per device) or ``load:MODEL:TP``
+``MODEL:TP:DP[:QUANTIZATION]`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the
+embedded SmolLM2; full precision unless a quantization is named), ``collectives:MODEL:TP[:BACKEND]`` (a prefill and a decode step's logits, the prefill's compiled
+collectives; on one device ``collectives:MODEL:1:pallas_gpu`` checks the GPU kernels per device) or ``load:MODEL:TP[:QUANTIZATION]``
 (the checkpoint loaded straight into shards, and restored from orbax into shards, against the
 one-device load laid out afterwards). ``multihost:MODEL:TP:PORT:PROCESSES:ID`` joins a multi-process
 run on localhost first (``batching.multihost``): process 0 generates, the others follow.
@@ -44,7 +44,7 @@ SMALL = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, token
 
 
 def run(model: str, tp: int, dp: int = 1, **options) -> dict:
-    llm = LLM(model, tensor_parallel=tp, data_parallel=dp, **SMALL, **options)
+    llm = LLM(model, tensor_parallel=tp, data_parallel=dp, **{**SMALL, **options})
     llm.warmup(greedy_only=True)
     compiled = llm.engine.num_compilations
     tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -97,13 +97,13 @@ def collectives(config, tp: int, bias: bool, backend: str = "reference") -> dict
                 all_reduces=len(re.findall(r" all-reduce(?:-start)?\(", hlo)), all_gather_sizes=gathers)
 
 
-def load(model: str, tp: int) -> dict:
+def load(model: str, tp: int, quantization: str = "none") -> dict:
     import tempfile
 
     from jaxinfer.models.weights import load_config, load_model, resolve_model, save_converted
 
     mesh = sharding.make_mesh(load_config(resolve_model(model)), tp, NUM_DEVICES // tp)
-    config, whole = load_model(model)
+    config, whole = load_model(model, quantization=quantization)
     want = sharding.place_weights(whole, config, mesh)
 
     def same(got):
@@ -112,9 +112,9 @@ def load(model: str, tp: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         save_converted(whole, config, tmp)
-        restored = load_model(tmp, mesh=mesh)[1]
-    return dict(direct=same(load_model(model, mesh=mesh)[1]), orbax=same(restored),
-                wqkv_spec=str(want.layers["wqkv"].sharding.spec))
+        restored = load_model(tmp, mesh=mesh, quantization=quantization)[1]
+    return dict(direct=same(load_model(model, mesh=mesh, quantization=quantization)[1]), orbax=same(restored),
+                wqkv_spec=str(jax.tree.leaves(want.layers["wqkv"])[0].sharding.spec))
 
 
 def main():
@@ -142,11 +142,13 @@ def main():
             config = PRESETS[model]
             results[spec] = collectives(config, int(tp), config.qkv_bias, *backend)
         elif kind == "load":
-            results[spec] = load(rest[0], int(rest[1]))
+            results[spec] = load(rest[0], int(rest[1]), *rest[2:])
         else:
-            tp, dp = map(int, rest)
+            tp, dp, *quantization = rest
             options = {} if kind == "smollm2-135m" else dict(load_format="dummy", seed=3)
-            results[spec] = run(kind, tp, dp, **options)
+            if quantization:
+                options["quantization"] = quantization[0]
+            results[spec] = run(kind, int(tp), int(dp), **options)
     print("RESULT " + json.dumps(results))
 
 

@@ -497,18 +497,21 @@ def test_unknown_scheme_names_the_choices():
         EngineConfig(quantization="nf4")
 
 
-def test_quantization_over_a_mesh_is_refused():
+def test_a_quantized_leaf_split_along_its_input_needs_whole_blocks_and_groups():
+    """Over a mesh a quantized leaf is split field by field (its scales with its codes); along its
+    input only in whole 32-column blocks and whole groups, else a clear error. (Sharded runs:
+    tests/test_sharding.py.)"""
+    from jax.sharding import PartitionSpec as P
+
     from jaxinfer.batching.config import EngineConfig
-    from jaxinfer.models.sharding import DP, TP
-    from jaxinfer.models.weights import load_model
-    EngineConfig(quantization="auto", tensor_parallel=2)  # auto: full precision over a mesh
-    with pytest.raises(ValueError, match="quantization with tensor_parallel > 1 is not supported yet"):
-        EngineConfig(quantization="int8", tensor_parallel=2)
-    with pytest.raises(ValueError, match="quantization with tensor_parallel > 1 is not supported yet"):
-        EngineConfig(quantization="int4", data_parallel=2)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), (DP, TP))  # checked before any load
-    with pytest.raises(ValueError, match="quantization with tensor_parallel > 1 is not supported yet"):
-        load_model("tiny-llama3", load_format="dummy", quantization="int8", mesh=mesh)
+    from jaxinfer.models.sharding import TP, leaf_specs
+    EngineConfig(quantization="int8", tensor_parallel=2)
+    w = quantize(jnp.ones((8, 192)), "int4-g64")  # 3 groups, 6 blocks
+    assert leaf_specs(w, (TP, None), 2) == dataclasses.replace(w, values=P(TP, None), scales=P(TP, None),
+                                                                offsets=P(TP, None))
+    assert leaf_specs(w, (None, TP), 3).scales == P(None, TP)
+    with pytest.raises(ValueError, match=r"\(8, 192\) \(int4, groups of 64\) cannot be split 2 ways along its input"):
+        leaf_specs(w, (None, TP), 2)
 
 
 def test_group_size_that_does_not_divide_the_dimension():

@@ -22,8 +22,11 @@ from jaxinfer.models.spec import param_spec
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Device count -> runs (see sharded_runs.py). Every model's one-device tokens come from the 2-device process.
 RUNS = {
-    2: ["tiny-gqa8:1:1", "tiny-qwen2:1:1", "tiny-qwen2-moe:1:1", "tiny-gqa8:2:1"],
-    3: ["smollm2-135m:1:1", "smollm2-135m:3:1", "load:smollm2-135m:3"],
+    2: ["tiny-gqa8:1:1", "tiny-qwen2:1:1", "tiny-qwen2-moe:1:1", "tiny-gqa8:2:1",
+        "tiny-gqa8:1:1:int4-g32", "tiny-gqa8:2:1:int4-g32", "tiny-qwen2:1:1:fp8", "tiny-qwen2:2:1:fp8",
+        "tiny-qwen2-moe:1:1:int8", "tiny-qwen2-moe:2:1:int8"],
+    3: ["smollm2-135m:1:1", "smollm2-135m:3:1", "load:smollm2-135m:3", "smollm2-135m:1:1:gguf",
+        "smollm2-135m:3:1:gguf", "load:smollm2-135m:3:gguf", "load:smollm2-135m:3:int8"],
     4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4", "collectives:tiny-gqa8:4:interpret"],
     8: ["tiny-gqa8:8:1", "tiny-gqa8:4:2", "tiny-qwen2-moe:8:1", "collectives:tiny-qwen2-moe:8"],
 }
@@ -89,6 +92,22 @@ def test_parameter_bytes_fall_with_tensor_parallel(results, run):
     assert one / int(tp) <= per_device[0] <= 1.15 * one / int(tp)
 
 
+@pytest.mark.parametrize("run", ["tiny-gqa8:2:1:int4-g32", "tiny-qwen2:2:1:fp8", "tiny-qwen2-moe:2:1:int8",
+                                 "smollm2-135m:3:1:gguf"])
+def test_quantized_weights_split_with_their_scales(results, run):
+    """Quantized weights over a mesh (int4 groups, fp8 and int8 per-row scales, the embedded model's
+    own Q4_1 / Q8_0 blocks): each device holds about 1/tp of the quantized bytes, codes and scales
+    alike, and greedy tokens equal the same quantization on one device."""
+    model, tp, _, quantization = run.split(":")
+    one = results[f"{model}:1:1:{quantization}"]
+    got = results[run]
+    assert got["tokens"] == one["tokens"] and got["compilations_after_warmup"] == 0
+    assert one["param_bytes_per_device"][0] < results[f"{model}:1:1"]["param_bytes_per_device"][0]  # quantized
+    assert len(got["param_bytes_per_device"]) == 1
+    assert one["param_bytes_per_device"][0] / int(tp) <= got["param_bytes_per_device"][0] \
+        <= 1.15 * one["param_bytes_per_device"][0] / int(tp)
+
+
 @pytest.mark.parametrize("run, kv_heads", [("smollm2-135m:3:1", 1), ("tiny-gqa8:2:1", 1), ("tiny-gqa8:8:1", 1)])
 def test_kv_cache_split_by_kv_head(results, run, kv_heads):
     assert results[run]["kv_heads_per_device"] == [kv_heads]
@@ -117,11 +136,13 @@ def test_two_processes_match_one_device(results):
     assert r["compilations_after_warmup"] == 0
 
 
-def test_checkpoints_load_straight_into_shards(results):
+@pytest.mark.parametrize("run", ["load:smollm2-135m:3", "load:smollm2-135m:3:gguf", "load:smollm2-135m:3:int8"])
+def test_checkpoints_load_straight_into_shards(results, run):
     """GGUF tensors placed slice by slice, and an orbax checkpoint restored into shards, give the
-    same arrays with the same shardings as the whole model loaded on one device and then split."""
-    r = results["load:smollm2-135m:3"]
-    assert r == dict(direct=True, orbax=True, wqkv_spec="P(None, 'tp', None)")
+    same arrays with the same shardings as the whole model loaded on one device and then split; so do
+    the GGUF's own blocks and int8 quantized at load (every field of a quantized leaf, and a saved
+    quantized checkpoint restored over the mesh)."""
+    assert results[run] == dict(direct=True, orbax=True, wqkv_spec="P(None, 'tp', None)")
 
 
 def test_mesh_errors_name_the_valid_sizes():

@@ -52,8 +52,9 @@ class EngineConfig:
       ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
     - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in
       ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
-      must be the device count (checked against the model when the engine is built). Not yet with
-      an explicit ``quantization`` (``"auto"`` then means full precision).
+      must be the device count (checked against the model when the engine is built). Quantized
+      weights are split with their scales (``models.sharding``); ``quantization="auto"`` keeps a
+      GGUF in full precision over a mesh.
     - ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``): ``"auto"`` stores K/V in the model's dtype;
       ``"int8"`` and ``"fp8"`` (float8_e4m3fn) store codes with a float32 scale per token and kv head
       (``jaxinfer.paged.kv_cache``): about half of bf16's bytes, so the default pool holds about twice
@@ -120,11 +121,6 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_executables", "tensor_parallel",
                      "data_parallel"):
             _positive(name, getattr(self, name))
-        if self.quantization not in ("auto", "none") and (self.tensor_parallel > 1 or self.data_parallel > 1):
-            # The mesh's layouts and shard_map specs are per plain array; a QArray's blocks need their own.
-            raise ValueError(f"quantization with tensor_parallel > 1 is not supported yet (nor data_parallel > 1): "
-                             f"got quantization={self.quantization!r}, tensor_parallel={self.tensor_parallel}, "
-                             f"data_parallel={self.data_parallel}")
         if self.kv_cache_dtype != "auto" and (self.tensor_parallel > 1 or self.data_parallel > 1):
             # The per-device ops' shard_map specs cover the K/V pages, not yet their scales.
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel > 1 or data_parallel > 1 "

@@ -18,6 +18,13 @@ Attention (reference or Pallas kernels) and the feed-forward blocks run per devi
 ``shard_map`` (``sharded_ops``): the same functions on each device's heads, experts or hidden slice,
 nothing re-implemented. The rest of the step (embedding, norms, ``wo``, logits and sampling) is left to
 GSPMD from the weights' shardings.
+
+Quantized leaves (``QArray``) are split like the plain leaf they stand for, field by field
+(``leaf_specs``): codes, scales and offsets along the same rows, and along the input axis in whole
+32-column blocks and whole groups, so each shard keeps its own scales; ``col_scale`` (a norm gain)
+follows the input axis. A per-row scale split along the input is stored once per shard
+(``_split_rows_scale``). The MLP and expert blocks run per device on their shards; GSPMD cannot
+split our kernels' custom calls, so around ``wqkv``, ``wo`` and the lm_head it gathers the codes.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import Ops, moe_partial
 from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, arrange_layers, init_dummy_weights, param_spec
 from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.quant import QArray, map_rows
 
 DP, TP = "dp", "tp"
 # Logical axis -> mesh axis (the only such table). Unlisted axes are replicated.
@@ -186,16 +194,57 @@ def shard_layout(weights: Weights, config: ModelConfig, tp: int) -> Weights:
     """``weights`` (checkpoint layout; numpy or jax leaves) with fused leaves reordered per device."""
     if tp == 1:
         return weights
-    _, lay = layouts(config, tp)
+    glob, lay = layouts(config, tp)
 
     def layer(name, a, stacked):
         lo = lay[name]
         if lo.rows is None:
-            return a
-        xp = np if isinstance(a, np.ndarray) else jnp
-        return xp.take(a, lo.rows, axis=lo.fused_axis + int(stacked))
+            return _split_rows_scale(a, lo.axes, tp)
+        take = lambda x: (np if isinstance(x, np.ndarray) else jnp).take(  # noqa: E731
+            x, lo.rows, axis=lo.fused_axis + int(stacked))
+        return _split_rows_scale(map_rows(a, take), lo.axes, tp)
 
-    return _map_leaves(weights, lambda n, a: a, layer)
+    return _map_leaves(weights, lambda n, a: _split_rows_scale(a, glob[n].axes, tp), layer)
+
+
+def _split_rows_scale(w, axes: tuple, tp: int):
+    """A ``QArray`` with one scale per row (int8, fp8) whose input axis is split: its scale stored
+    once per shard (groups of ``in / tp`` columns), so each device's shard is per-row on its own."""
+    if not isinstance(w, QArray) or axes[-1] != TP or w.group_size != w.shape[-1]:
+        return w
+    xp = np if isinstance(w.scales, np.ndarray) else jnp
+    return dataclasses.replace(w, scales=xp.repeat(w.scales, tp, axis=-1), group_size=w.shape[-1] // tp)
+
+
+def leaf_specs(w, axes: tuple, tp: int):
+    """The ``PartitionSpec`` of a leaf whose logical axes map to mesh ``axes`` (plain array), or a
+    ``QArray`` of them, one per field: rows as the leaf's, the input axis split only in whole
+    32-column blocks and whole groups (an error names the leaf's sizes otherwise)."""
+    if not isinstance(w, QArray):
+        return P(*axes)
+    lead, rows, cols = axes[:-2], axes[-2], axes[-1]
+    n, g = w.shape[-1], w.group_size
+    if cols == TP and (n % (32 * tp) or (n // g) % tp):
+        raise ValueError(f"a quantized weight {tuple(w.shape)} ({w.scheme}, groups of {g}) cannot be split "
+                         f"{tp} ways along its input: each shard must hold whole 32-column blocks and groups")
+    spec = lambda a, last: None if a is None else P(*lead, rows, last)  # noqa: E731
+    return dataclasses.replace(w, values=spec(w.values, cols), scales=spec(w.scales, cols),
+                               offsets=spec(w.offsets, cols), high=spec(w.high, cols),
+                               col_scale=None if w.col_scale is None else P(*lead, cols))
+
+
+def shardings_of(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
+    """``NamedSharding`` of every leaf of ``weights`` (arrays or shapes, per-device layout), a
+    ``QArray``'s per field (``leaf_specs``)."""
+    tp = mesh.shape[TP]
+    glob, lay = layouts(config, tp)
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+
+    def sh(w, axes):
+        return jax.tree.map(named, leaf_specs(w, axes, tp), is_leaf=lambda x: isinstance(x, P))
+
+    return _map_leaves(weights, lambda n, a: sh(a, glob[n].axes),
+                       lambda n, a, stacked: sh(a, ((None,) if stacked else ()) + lay[n].axes))
 
 
 def weight_shardings(config: ModelConfig, mesh: Mesh, stacked: bool) -> Weights:
@@ -228,24 +277,39 @@ def abstract_sharded_weights(config: ModelConfig, mesh: Mesh, dtype) -> Weights:
 
 
 def place_weights(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
-    """Checkpoint-layout weights laid out per device and placed in their shards."""
-    sh = weight_shardings(config, mesh, not isinstance(weights.layers, list))
-    return jax.jit(lambda w: shard_layout(w, config, mesh.shape[TP]), out_shardings=sh)(weights)
+    """Checkpoint-layout weights laid out per device and placed in their shards. Weights held by one
+    device (quantized ones, made or restored whole) are laid out there, then scattered."""
+    layout = jax.jit(lambda w: shard_layout(w, config, mesh.shape[TP]))
+    sh = shardings_of(jax.eval_shape(layout, weights), config, mesh)
+    if len({d for a in jax.tree.leaves(weights) for d in a.devices()}) == 1 < mesh.size:
+        return jax.device_put(layout(weights), sh)
+    return jax.jit(layout, out_shardings=sh)(weights)
 
 
 def place_host_leaf(name: str, array: np.ndarray, config: ModelConfig, mesh: Mesh, is_global: bool) -> jax.Array:
     """One leaf (a global, or one layer's) from host memory straight into its shards: each device
     receives only its slice (``jax.make_array_from_callback``), laid out per device."""
-    glob, lay = layouts(config, mesh.shape[TP])
+    tp = mesh.shape[TP]
+    glob, lay = layouts(config, tp)
     lo = (glob if is_global else lay)[name]
+    if isinstance(array, QArray):
+        array = jax.tree.map(np.asarray, array)
+        if lo.rows is not None:
+            array = map_rows(array, lambda a: np.take(a, lo.rows, axis=lo.fused_axis))
+        array = _split_rows_scale(array, lo.axes, tp)
+        specs = leaf_specs(array, lo.axes, tp)
+        return jax.tree.map(lambda a, spec: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                                                       lambda idx: a[idx]), array, specs)
     if lo.rows is not None:
         array = np.take(array, lo.rows, axis=lo.fused_axis)
     return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P(*lo.axes)), lambda idx: array[idx])
 
 
 def stack_layers(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:
-    """Placed per-layer weights stacked for the scanned loop, staying in their shards."""
-    return jax.jit(lambda w: arrange_layers(w, config), out_shardings=weight_shardings(config, mesh, True))(weights)
+    """Placed per-layer weights stacked for the scanned loop, staying in their shards (layers whose
+    quantized formats differ stay a list: ``arrange_layers``)."""
+    stack = lambda w: arrange_layers(w, config)  # noqa: E731
+    return jax.jit(stack, out_shardings=shardings_of(jax.eval_shape(stack, weights), config, mesh))(weights)
 
 
 def checkpoint_shardings(config: ModelConfig, mesh: Mesh, stacked: bool) -> Weights:
@@ -341,13 +405,13 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
         def local(x, w_gate_up, w_down, r):
             y = ops.mlp(x, w_gate_up, w_down, r, act)
             return jax.lax.psum(y.astype(jnp.float32), TP).astype(x.dtype)
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(TP, None), P(None, TP), P()), out_specs=P(),
-                             check_vma=False)(x, w_gate_up, w_down, r)
+        specs = (P(), leaf_specs(w_gate_up, (TP, None), tp), leaf_specs(w_down, (None, TP), tp), P())
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, w_gate_up, w_down, r)
 
     _, lay = layouts(config, tp)
 
     def moe(x, r, lw, config_):
-        specs = {n: P(*lay[n].axes) for n in lw}
+        specs = {n: leaf_specs(a, lay[n].axes, tp) for n, a in lw.items()}
 
         def local(x, r, lw):
             first = jax.lax.axis_index(TP) * (config_.num_experts // tp)

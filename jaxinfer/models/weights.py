@@ -150,16 +150,13 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     """Resolve ``model`` and return its config and weights, cast to ``dtype`` (float leaves) and
     arranged for ``layer_loop`` (default: the config's), split over ``mesh`` if given
     (``models.sharding``), quantized by ``quantization`` (one of ``QUANTIZATIONS``; see the module
-    docstring; not yet over a mesh). ``load_format="dummy"`` gives random weights of the right
+    docstring). ``load_format="dummy"`` gives random weights of the right
     shapes (benchmarks without a checkpoint)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     check_device_supports(quantization)
-    if quantization != "none" and mesh is not None:
-        raise ValueError(f"quantization with tensor_parallel > 1 is not supported yet (nor over any mesh): "
-                         f"got quantization={quantization!r} with a {dict(mesh.shape)} mesh")
     scheme = quantization if quantization in SCHEMES else None
     dtype = _float_dtype(dtype)
     source = resolve_model(model)
@@ -175,15 +172,17 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     if layer_loop is not None:
         config = config.replace(layer_loop=layer_loop)
     if load_format == "dummy":
-        if mesh is not None:
+        if mesh is not None and scheme is None:
             return config, sharding.dummy_weights(config, jax.random.key(seed), dtype, mesh)
         finish = None if scheme is None else (lambda s, x: quantize(x, scheme) if s.quantizable else x)
-        return config, init_dummy_weights(config, jax.random.key(seed), dtype, finish)
+        weights = init_dummy_weights(config, jax.random.key(seed), dtype, finish)
+        return config, weights if mesh is None else sharding.place_weights(weights, config, mesh)
     if source.kind == "preset":
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
                          "(config.json + *.safetensors) or load_format='dummy'")
     if source.kind == "orbax":  # restored in the checkpoint's layout, then laid out per device on device
-        weights = _restore_converted(source.path, dtype, mesh)
+        # saved quantized: restored whole on one device, then split (the checkpoint's shardings are per array)
+        weights = _restore_converted(source.path, dtype, None if saved != "none" else mesh)
         if mesh is not None:
             return config, sharding.place_weights(arrange_layers(weights, config), config, mesh)
         if scheme is not None and saved == "none":
@@ -292,9 +291,8 @@ class _Assembler:
         return np.asarray(x).astype(self.dtype, copy=False)
 
     def _place(self, name: str, x, is_global: bool):
-        """Onto the device, or straight into its shards over a mesh (no whole copy on any device;
-        ``load_model`` refuses a quantized load over a mesh, so a ``QArray`` has one device)."""
-        if isinstance(x, QArray):
+        """Onto the device, or straight into its shards over a mesh (no whole copy on any device)."""
+        if isinstance(x, QArray) and self.mesh is None:
             return to_device(x)
         if self.mesh is None:
             return jnp.asarray(x)
@@ -817,7 +815,7 @@ def _restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, abstract_weights(saved))
-    else:  # load_model refuses a quantized load over a mesh before this
+    else:  # float weights only (load_model restores quantized ones on one device)
         shardings = sharding.checkpoint_shardings(saved, mesh, saved.layer_loop == "scan")
 
     def leaf(path, x, s):

@@ -181,8 +181,7 @@ def map_rows(w, fn):
     """``fn`` applied to every per-row field (all but ``col_scale``): a row permutation or split."""
     if not isinstance(w, QArray):
         return fn(w)
-    return dataclasses.replace(w, **{k: a if a is None or k == "col_scale" else fn(np.asarray(a))
-                                     for k, a in _fields(w).items()})
+    return dataclasses.replace(w, **{k: a if a is None or k == "col_scale" else fn(a) for k, a in _fields(w).items()})
 
 
 def with_col_scale(w: QArray, gain) -> QArray:
