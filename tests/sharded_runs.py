@@ -110,11 +110,17 @@ def load(model: str, tp: int, quantization: str = "none") -> dict:
         return all(jax.tree.leaves(jax.tree.map(
             lambda a, b: a.sharding == b.sharding and bool((np.asarray(a) == np.asarray(b)).all()), want, got)))
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as floats:
         save_converted(whole, config, tmp)
         restored = load_model(tmp, mesh=mesh, quantization=quantization)[1]
+        kinds = set()
+        if quantization != "gguf":  # a scheme quantizes a float checkpoint now, then splits it
+            save_converted(load_model(model)[1], config, floats)
+            from_floats = load_model(floats, mesh=mesh, quantization=quantization)[1]
+            kinds = {(x.scheme, str(x.values.sharding.spec)) if hasattr(x, "scheme") else "float"
+                     for x in jax.tree.leaves(from_floats.layers, is_leaf=lambda x: hasattr(x, "scheme"))}
     return dict(direct=same(load_model(model, mesh=mesh, quantization=quantization)[1]), orbax=same(restored),
-                wqkv_spec=str(jax.tree.leaves(want.layers["wqkv"])[0].sharding.spec))
+                wqkv_spec=str(jax.tree.leaves(want.layers["wqkv"])[0].sharding.spec), float_orbax=sorted(map(str, kinds)))
 
 
 def main():

@@ -181,12 +181,13 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
         raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
                          "(config.json + *.safetensors) or load_format='dummy'")
     if source.kind == "orbax":  # restored in the checkpoint's layout, then laid out per device on device
-        # saved quantized: restored whole on one device, then split (the checkpoint's shardings are per array)
-        weights = _restore_converted(source.path, dtype, None if saved != "none" else mesh)
-        if mesh is not None:
-            return config, sharding.place_weights(arrange_layers(weights, config), config, mesh)
+        # quantized weights (saved so, or made now) are restored whole on one device, then split: the
+        # checkpoint's shardings are per plain array
+        weights = _restore_converted(source.path, dtype, None if saved != "none" or scheme is not None else mesh)
         if scheme is not None and saved == "none":
             weights = quantize_weights(weights, config, scheme)  # nothing unfolded to start from
+        if mesh is not None:
+            return config, sharding.place_weights(arrange_layers(weights, config), config, mesh)
         return config, arrange_layers(weights, config)
     if source.kind == "gguf" and quantization == "none" and mesh is None and dtype == np.float32:
         weights = _dequantized_gguf(source.path, config)
