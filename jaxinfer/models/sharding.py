@@ -195,16 +195,17 @@ def shard_layout(weights: Weights, config: ModelConfig, tp: int) -> Weights:
     if tp == 1:
         return weights
     glob, lay = layouts(config, tp)
+    return _map_leaves(weights, lambda n, a: _laid_out(a, glob[n], tp),
+                       lambda n, a, stacked: _laid_out(a, lay[n], tp, stacked))
 
-    def layer(name, a, stacked):
-        lo = lay[name]
-        if lo.rows is None:
-            return _split_rows_scale(a, lo.axes, tp)
-        take = lambda x: (np if isinstance(x, np.ndarray) else jnp).take(  # noqa: E731
-            x, lo.rows, axis=lo.fused_axis + int(stacked))
-        return _split_rows_scale(map_rows(a, take), lo.axes, tp)
 
-    return _map_leaves(weights, lambda n, a: _split_rows_scale(a, glob[n].axes, tp), layer)
+def _laid_out(a, lo: Layout, tp: int, stacked: bool = False):
+    """One leaf (numpy or jax; a ``QArray`` field by field) in its per-device layout: a fused leaf's
+    rows reordered, and a per-row scale split along the input stored per shard."""
+    if lo.rows is not None:
+        a = map_rows(a, lambda x: (np if isinstance(x, np.ndarray) else jnp).take(
+            x, lo.rows, axis=lo.fused_axis + int(stacked)))
+    return _split_rows_scale(a, lo.axes, tp)
 
 
 def _split_rows_scale(w, axes: tuple, tp: int):
@@ -292,17 +293,10 @@ def place_host_leaf(name: str, array: np.ndarray, config: ModelConfig, mesh: Mes
     tp = mesh.shape[TP]
     glob, lay = layouts(config, tp)
     lo = (glob if is_global else lay)[name]
-    if isinstance(array, QArray):
-        array = jax.tree.map(np.asarray, array)
-        if lo.rows is not None:
-            array = map_rows(array, lambda a: np.take(a, lo.rows, axis=lo.fused_axis))
-        array = _split_rows_scale(array, lo.axes, tp)
-        specs = leaf_specs(array, lo.axes, tp)
-        return jax.tree.map(lambda a, spec: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
-                                                                       lambda idx: a[idx]), array, specs)
-    if lo.rows is not None:
-        array = np.take(array, lo.rows, axis=lo.fused_axis)
-    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, P(*lo.axes)), lambda idx: array[idx])
+    array = _laid_out(jax.tree.map(np.asarray, array), lo, tp)  # a QArray field by field
+    return jax.tree.map(lambda a, spec: jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                                                   lambda idx: a[idx]),
+                        array, leaf_specs(array, lo.axes, tp))
 
 
 def stack_layers(weights: Weights, config: ModelConfig, mesh: Mesh) -> Weights:

@@ -764,6 +764,7 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
         k: None if a is None else [list(a.shape), str(a.dtype)] for k, a in
         ((k, getattr(q, k)) for k in ("values", "scales", "offsets", "high", "col_scale"))})
         for p, q in jax.tree_util.tree_leaves_with_path(weights, is_leaf=_is_quantized) if _is_quantized(q)}
+    quantization = _quantization_of(quantized.values())  # refused before anything is written
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
     # Record the layout actually saved, so restore can build the matching abstract tree.
@@ -773,7 +774,7 @@ def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
         ckpt.wait_until_finished()
     with open(os.path.join(path, CONVERTED_CONFIG), "w") as f:
         json.dump({"config": _config_to_json(saved), "dtype": str(weights.final_norm.dtype),
-                   "layout": CONVERTED_LAYOUT, "quantization": _quantization_of(quantized.values()),
+                   "layout": CONVERTED_LAYOUT, "quantization": quantization,
                    "quantized": quantized}, f, indent=1)
 
 
