@@ -2,14 +2,17 @@
 
 XLA's host device count is fixed when JAX starts, and the rest of the suite runs on one device, so
 these run in their own process: ``python tests/sharded_runs.py DEVICES RUN...``, each RUN one of
-``MODEL:TP:DP[:QUANTIZATION]`` (an engine generating ``PROMPTS`` greedily, dummy weights except for the
-embedded SmolLM2; full precision unless a quantization is named), ``collectives:MODEL:TP[:BACKEND]`` (a prefill and a decode step's logits, the prefill's compiled
-collectives; on one device ``collectives:MODEL:1:pallas_gpu`` checks the GPU kernels per device) or ``load:MODEL:TP[:QUANTIZATION]``
+``MODEL:TP:DP[:QUANTIZATION[:KV_CACHE_DTYPE]]`` (an engine generating ``PROMPTS`` greedily, dummy weights
+except for the embedded SmolLM2; full precision unless a quantization is named),
+``collectives:MODEL:TP[:BACKEND[:QUANTIZATION[:KV_CACHE_DTYPE]]]`` (a prefill and a decode step's logits,
+the prefill's compiled collectives; on one device ``collectives:MODEL:1:pallas_gpu`` checks the GPU
+kernels per device) or ``load:MODEL:TP[:QUANTIZATION]``
 (the checkpoint loaded straight into shards, and restored from orbax into shards, against the
 one-device load laid out afterwards). ``multihost:MODEL:TP:PORT:PROCESSES:ID`` joins a multi-process
 run on localhost first (``batching.multihost``): process 0 generates, the others follow.
 """
 
+import dataclasses
 import os
 import re
 import sys
@@ -54,18 +57,29 @@ def run(model: str, tp: int, dp: int = 1, **options) -> dict:
     out["param_bytes_per_device"] = sorted(set(per_device.values()))
     out["generation_tokens_per_replica"] = [e.stats()["generation_tokens"] for e in engines]
     out["kv_heads_per_device"] = sorted({s.data.shape[3] for e in engines for s in e.runner.cache.k.addressable_shards})
+    if engines[0].runner.cache.quantized:
+        out["kv_scale_heads_per_device"] = sorted({s.data.shape[3] for e in engines
+                                                   for s in e.runner.cache.k_scale.addressable_shards})
     return out
 
 
-def collectives(config, tp: int, bias: bool, backend: str = "reference") -> dict:
+def collectives(config, tp: int, bias: bool, backend: str = "reference", quantization: str = "none",
+                kv_cache_dtype: str = "auto") -> dict:
     """One sharded prefill step on random weights (non-zero Q/K/V biases where the family has them),
-    attention by ``backend`` per device: its logits against one device's reference step, and the
-    collectives in its compiled HLO."""
+    attention by ``backend`` per device, the weights under ``quantization`` and the cache in
+    ``kv_cache_dtype``: its logits against one device's reference step with the same weights and
+    cache dtype, and the collectives in its compiled HLO."""
     from jaxinfer.pallas_kernels import get_kernels
+    from jaxinfer.paged.kv_cache import kv_storage_dtype
+    from jaxinfer.quant import quantize
 
     w = init_dummy_weights(config, jax.random.key(1))
     if bias:
         w.layers["qkv_bias"] = jax.random.normal(jax.random.key(2), w.layers["qkv_bias"].shape)
+    if quantization != "none":  # every matrix, stacked layers included (per layer: same scales)
+        w = dataclasses.replace(w, layers={n: quantize(a, quantization) if n in ("wqkv", "wo", "w_gate_up", "w_down")
+                                           else a for n, a in w.layers.items()}, lm_head=quantize(w.lm_head, quantization))
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, jnp.float32)
     t = 12
     tokens = jnp.arange(t, dtype=jnp.int32) * 37 % config.vocab_size
     prefill = BatchMetadata(jnp.arange(t, dtype=jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.array([t], jnp.int32),
@@ -86,10 +100,10 @@ def collectives(config, tp: int, bias: bool, backend: str = "reference") -> dict
             logits.append(out)
         return logits, fn.lower(weights, cache, *steps[0]).compile().as_text()
 
-    ref, _ = run_steps(w, KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim), Ops())
-    ops = sharding.sharded_ops(Ops(**get_kernels(backend)), config, mesh)
+    ref, _ = run_steps(w, KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim, kv_dtype), Ops())
+    ops = sharding.sharded_ops(Ops(**get_kernels(backend, kv_quantized=kv_cache_dtype != "auto")), config, mesh)
     got, hlo = run_steps(sharding.place_weights(w, config, mesh),
-                         sharding.zeros_cache(config, mesh, 1, 16, jnp.float32), ops)
+                         sharding.zeros_cache(config, mesh, 1, 16, kv_dtype), ops)
     gathers = [int(np.prod([int(d) for d in m.split(",") if d] or [1]))
                for m in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
     return dict(max_abs_diff=max(float(jnp.max(jnp.abs(g - r))) for g, r in zip(got, ref)),
@@ -144,16 +158,15 @@ def main():
     for spec in RUNS:
         kind, *rest = spec.split(":")
         if kind == "collectives":
-            model, tp, *backend = rest
+            model, tp, *options = rest
             config = PRESETS[model]
-            results[spec] = collectives(config, int(tp), config.qkv_bias, *backend)
+            results[spec] = collectives(config, int(tp), config.qkv_bias, *options)
         elif kind == "load":
             results[spec] = load(rest[0], int(rest[1]), *rest[2:])
         else:
-            tp, dp, *quantization = rest
+            tp, dp, *quantized = rest
             options = {} if kind == "smollm2-135m" else dict(load_format="dummy", seed=3)
-            if quantization:
-                options["quantization"] = quantization[0]
+            options.update(zip(("quantization", "kv_cache_dtype"), quantized))
             results[spec] = run(kind, int(tp), int(dp), **options)
     print("RESULT " + json.dumps(results))
 

@@ -72,8 +72,6 @@ def test_bad_kv_cache_dtype_names_the_allowed_values():
         kv_storage_dtype("fp8_e5m2", jnp.bfloat16)
     with pytest.raises(ValueError, match="not supported by the interpret attention backend.*kv_cache_dtype='auto'"):
         get_kernels("interpret", kv_quantized=True)
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' with tensor_parallel > 1"):
-        EngineConfig(kv_cache_dtype="int8", tensor_parallel=2)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM("tiny-llama3", load_format="dummy", kv_cache_dtype="float16")
 

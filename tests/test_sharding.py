@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {
     2: ["tiny-gqa8:1:1", "tiny-qwen2:1:1", "tiny-qwen2-moe:1:1", "tiny-gqa8:2:1",
         "tiny-gqa8:1:1:int4-g32", "tiny-gqa8:2:1:int4-g32", "tiny-qwen2:1:1:fp8", "tiny-qwen2:2:1:fp8",
-        "tiny-qwen2-moe:1:1:int8", "tiny-qwen2-moe:2:1:int8"],
+        "tiny-qwen2-moe:1:1:int8", "tiny-qwen2-moe:2:1:int8", "tiny-gqa8:1:1:int4-g32:int8", "tiny-gqa8:2:1:int4-g32:int8",
+        "collectives:tiny-gqa8:2:reference:int4-g32:int8", "collectives:tiny-gqa8:2:reference:int8:fp8"],
     3: ["smollm2-135m:1:1", "smollm2-135m:3:1", "load:smollm2-135m:3", "smollm2-135m:1:1:gguf",
         "smollm2-135m:3:1:gguf", "load:smollm2-135m:3:gguf", "load:smollm2-135m:3:int8"],
     4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4", "collectives:tiny-gqa8:4:interpret"],
@@ -108,18 +109,29 @@ def test_quantized_weights_split_with_their_scales(results, run):
         <= 1.15 * one["param_bytes_per_device"][0] / int(tp)
 
 
+def test_quantized_cache_split_with_its_scales(results):
+    """An int8 KV cache under int4 weights over 2 devices: the same greedy tokens as one device, each
+    device holding its KV head's codes and scales."""
+    one, got = results["tiny-gqa8:1:1:int4-g32:int8"], results["tiny-gqa8:2:1:int4-g32:int8"]
+    assert got["tokens"] == one["tokens"] and got["compilations_after_warmup"] == 0
+    assert got["kv_heads_per_device"] == [1] and got["kv_scale_heads_per_device"] == [1]
+
+
 @pytest.mark.parametrize("run, kv_heads", [("smollm2-135m:3:1", 1), ("tiny-gqa8:2:1", 1), ("tiny-gqa8:8:1", 1)])
 def test_kv_cache_split_by_kv_head(results, run, kv_heads):
     assert results[run]["kv_heads_per_device"] == [kv_heads]
 
 
 @pytest.mark.parametrize("run", ["collectives:tiny-qwen2:4", "collectives:tiny-qwen2-moe:8",
-                                 "collectives:tiny-gqa8:4:interpret"])
+                                 "collectives:tiny-gqa8:4:interpret", "collectives:tiny-gqa8:2:reference:int4-g32:int8",
+                                 "collectives:tiny-gqa8:2:reference:int8:fp8"])
 def test_step_collectives(results, run):
     """Random weights with non-zero Q/K/V biases: the sharded step's logits (vocabulary-sharded) match
     one device's; its HLO all-reduces (embedding, then attention output and MLP/experts in the scanned
     layer body) and gathers no weights. The Pallas (TPU, interpreted) kernel runs per device on its
-    heads, KV heads repeated."""
+    heads, KV heads repeated. Quantized weights (each projection and the logits through the CPU
+    kernel, a custom call GSPMD would gather the codes around) and a quantized cache (its scales split
+    with its heads) keep that: one device's logits with the same weights and cache, no gathers."""
     r = results[run]
     assert r["max_abs_diff"] < 1e-4
     assert r["logits_spec"] == "P(None, 'tp')"

@@ -121,10 +121,6 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_executables", "tensor_parallel",
                      "data_parallel"):
             _positive(name, getattr(self, name))
-        if self.kv_cache_dtype != "auto" and (self.tensor_parallel > 1 or self.data_parallel > 1):
-            # The per-device ops' shard_map specs cover the K/V pages, not yet their scales.
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} with tensor_parallel > 1 or data_parallel > 1 "
-                             f"is not supported yet; use kv_cache_dtype='auto'")
         _check_speculative(self)
         for name in ("num_pages", "prefill_chunk_size", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) is not None:

@@ -211,7 +211,7 @@ class ModelRunner:
         # compiled for (no recompilation, no resharding).
         step_shardings, swap_shardings, forward_shardings, sample_shardings = {}, {}, {}, {}
         if mesh is not None:
-            rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh)
+            rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh, cache.quantized)
             self.last_tokens = jax.device_put(self.last_tokens, rep)
             step_shardings = dict(out_shardings=(rep, kv, rep))
             swap_shardings = dict(out_shardings=kv)

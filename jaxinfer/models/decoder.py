@@ -42,7 +42,7 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
     extras = {name: lw[name] for name in _OPTIONAL_ATTENTION_WEIGHTS if name in lw}
     attn_kw = dict(scale=config.attention_scale, soft_cap=config.attn_soft_cap, sliding_window=window)
 
-    qkv = linear(x, lw["wqkv"])
+    qkv = ops.project(x, lw["wqkv"], "wqkv")
     new_kv = None
     if ops.defer_kv_write:
         q, k, v = rope_qkv(qkv, x, positions, inv_freq, num_heads=h, num_kv_heads=kvh, eps=eps, **extras)
@@ -55,7 +55,7 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
         q, cache = ops.rope_write_kv(qkv, x, positions, inv_freq, cache, layer, md.slot_mapping, num_heads=h,
                                      num_kv_heads=kvh, eps=eps, **extras)
         attn = ops.attention(q, cache.k, cache.v, layer, md, **attn_kw, **cache.scales())
-    y = linear(attn.reshape(t, h * hd), lw["wo"])
+    y = ops.project(attn.reshape(t, h * hd), lw["wo"], "wo")
     if config.post_norms:
         y = rms_norm(y, lw["post_attn_norm"], eps)
     x = x + y
@@ -133,7 +133,8 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
         kv_cache = kv_cache if ops.defer_kv_write else cache
     x = x[md.logits_indices]
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
-    logits = linear(x, weights.embed if weights.lm_head is None else weights.lm_head, jnp.float32)
+    head = "embed" if weights.lm_head is None else "lm_head"
+    logits = ops.project(x, getattr(weights, head), head, jnp.float32)
     if config.final_soft_cap is not None:
         logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
     return logits, (new_kv if ops.defer_kv_write else kv_cache)

@@ -305,6 +305,12 @@ def _gathered_matvec(rows: jax.Array, w) -> jax.Array:
 
 # ------------------------------------------------------------------------------------------ Ops
 
+def project(x: jax.Array, w, name: str, out_dtype=None) -> jax.Array:
+    """``linear(x, w)`` for the step's named projection (``"wqkv"``, ``"wo"``, or the logits' ``"lm_head"``
+    / tied ``"embed"``): the name lets ``models.sharding`` run a quantized one per device."""
+    return linear(x, w, out_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The step's operations a backend may replace with kernels (``pallas_kernels.get_kernels``);
@@ -328,6 +334,9 @@ class Ops:
     # ``models.sharding`` with per-device versions that sum their partial outputs over the mesh.
     mlp: Callable[..., jax.Array] = gated_mlp
     moe: Callable[..., jax.Array] = moe
+    # The attention's and the logits' projections, ``project``'s signature: replaced by
+    # ``models.sharding`` so that a quantized one runs per device on its shard.
+    project: Callable[..., jax.Array] = project
     # The reference path's structure (``get_kernels("reference")``): no layer writes the cache; each
     # passes its new K/V to ``attention(..., new_kv=(k, v))`` and all layers' are written after the
     # loop (``kv_cache.write_kv_layers``), so the cache is only read inside it and XLA updates it in

@@ -23,8 +23,10 @@ Quantized leaves (``QArray``) are split like the plain leaf they stand for, fiel
 (``leaf_specs``): codes, scales and offsets along the same rows, and along the input axis in whole
 32-column blocks and whole groups, so each shard keeps its own scales; ``col_scale`` (a norm gain)
 follows the input axis. A per-row scale split along the input is stored once per shard
-(``_split_rows_scale``). The MLP and expert blocks run per device on their shards; GSPMD cannot
-split our kernels' custom calls, so around ``wqkv``, ``wo`` and the lm_head it gathers the codes.
+(``_split_rows_scale``). Every quantized matmul runs per device on its shards (the MLP and expert
+blocks, and ``wqkv``, ``wo`` and the logits through ``Ops.project``): GSPMD cannot split our kernels'
+custom calls and would gather the codes around them on every step. A quantized KV cache's scales are
+split with their KV heads.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import Ops, moe_partial
+from jaxinfer.models.layers import LayerChoice, Ops, moe_partial
 from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, arrange_layers, init_dummy_weights, param_spec
-from jaxinfer.paged.kv_cache import KVCache
+from jaxinfer.paged.kv_cache import KVCache, is_quantized
 from jaxinfer.quant import QArray, map_rows
 
 DP, TP = "dp", "tp"
@@ -50,6 +52,13 @@ RULES = {"vocab": TP, "qkv": TP, "q_heads": TP, "mlp": TP, "experts": TP}
 # small: experts x hidden).
 REPLICATED = ("router",)
 _KV_SPEC = P(None, None, None, TP, None)  # [layers, pages, page_size, kv_heads, head_dim]
+_KV_SCALE_SPEC = P(None, None, None, TP)  # a quantized cache's scales: [layers, pages, page_size, kv_heads]
+
+
+def _cache_spec(quantized: bool) -> KVCache:
+    """The KV pool's ``PartitionSpec`` per field: pages split by KV head, and a quantized pool's
+    scales with their heads."""
+    return KVCache(_KV_SPEC, _KV_SPEC, *((_KV_SCALE_SPEC, _KV_SCALE_SPEC) if quantized else ()))
 
 
 # ------------------------------------------------------------------------------------- the mesh
@@ -326,16 +335,16 @@ def dummy_weights(config: ModelConfig, key: jax.Array, dtype, mesh: Mesh) -> Wei
     return jax.jit(make, out_shardings=sh)(key)
 
 
-def cache_sharding(mesh: Mesh) -> KVCache:
-    s = NamedSharding(mesh, _KV_SPEC)
-    return KVCache(s, s)
+def cache_sharding(mesh: Mesh, quantized: bool = False) -> KVCache:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _cache_spec(quantized),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def zeros_cache(config: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, dtype) -> KVCache:
     """The KV pool made in its shards (never whole on one device)."""
     make = functools.partial(KVCache.zeros, config.num_layers, num_pages, page_size,
                              kv_heads(config, mesh.shape[TP]), config.head_dim, dtype)
-    return jax.jit(make, out_shardings=cache_sharding(mesh))()
+    return jax.jit(make, out_shardings=cache_sharding(mesh, is_quantized(dtype)))()
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -354,8 +363,9 @@ def per_device_bytes(tree) -> dict:
 # ------------------------------------------------------------------------------ per-device ops
 
 # Per-argument partition specs of the ops' contracts (``layers.Ops``); any other array is replicated.
-_ARG_SPECS = {"qkv": P(None, TP), "q": P(None, TP, None), "qkv_bias": P(TP), "cache": KVCache(_KV_SPEC, _KV_SPEC),
-              "k_cache": _KV_SPEC, "v_cache": _KV_SPEC}
+# ``cache`` (a ``KVCache``) takes ``_cache_spec``'s.
+_ARG_SPECS = {"qkv": P(None, TP), "q": P(None, TP, None), "qkv_bias": P(TP), "k_cache": _KV_SPEC, "v_cache": _KV_SPEC,
+              "k_scale": _KV_SCALE_SPEC, "v_scale": _KV_SCALE_SPEC}
 
 
 def _per_device(mesh: Mesh, fn, names: tuple[str, ...], out_specs, args: tuple, kwargs: dict):
@@ -365,7 +375,8 @@ def _per_device(mesh: Mesh, fn, names: tuple[str, ...], out_specs, args: tuple, 
     traced = {k: v for k, v in bound.items() if v is not None and jax.tree.leaves(v)
               and not isinstance(v, (bool, int, float))}
     static = {k: v for k, v in bound.items() if k not in traced}
-    specs = {k: _ARG_SPECS.get(k, P()) for k in traced}
+    specs = {k: _cache_spec(v.quantized) if isinstance(v, KVCache) else _ARG_SPECS.get(k, P())
+             for k, v in traced.items()}
 
     def local(traced):
         return fn(**static, **traced)
@@ -377,11 +388,11 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
     """``ops`` run per device on its heads (attention), hidden slice (MLP) or experts (MoE)."""
     tp = mesh.shape[TP]
     h_local, kv_local = config.num_heads // tp, kv_heads(config, tp) // tp
-    cache_spec = _ARG_SPECS["cache"]
     out_heads = P(None, TP, None)
 
     def rope_write_kv(*args, num_heads, num_kv_heads, **kw):
         names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "slot_mapping")
+        cache_spec = _cache_spec(dict(zip(names, args)).get("cache", kw.get("cache")).quantized)
         return _per_device(mesh, functools.partial(ops.rope_write_kv, num_heads=h_local, num_kv_heads=kv_local),
                            names, (out_heads, cache_spec), args, kw)
 
@@ -392,6 +403,7 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
     if ops.decode_attention is not None:
         def decode_attention(*args, num_heads, **kw):
             names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "md")
+            cache_spec = _cache_spec(dict(zip(names, args)).get("cache", kw.get("cache")).quantized)
             return _per_device(mesh, functools.partial(ops.decode_attention, num_heads=h_local), names,
                                (out_heads, cache_spec), args, kw)
 
@@ -402,7 +414,29 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
         specs = (P(), leaf_specs(w_gate_up, (TP, None), tp), leaf_specs(w_down, (None, TP), tp), P())
         return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, w_gate_up, w_down, r)
 
-    _, lay = layouts(config, tp)
+    glob, lay = layouts(config, tp)
+
+    def project(x, w, name, out_dtype=None):
+        """A quantized projection on each device's shard: column-parallel (``wqkv``, the logits) gives
+        each device its rows' outputs, row-parallel (``wo``) sums the partial products. GSPMD would
+        instead gather the codes around our kernels' custom calls, every step. Plain weights are left
+        to GSPMD, which splits their dots itself."""
+        if isinstance(w, LayerChoice):
+            return jax.lax.switch(w.index, [functools.partial(project, w=wi, name=name, out_dtype=out_dtype)
+                                            for wi in w.weights], x)
+        if not isinstance(w, QArray):
+            return ops.project(x, w, name, out_dtype)
+        axes = (glob if name in glob else lay)[name].axes
+        spec, out_dtype = leaf_specs(w, axes, tp), out_dtype or x.dtype
+        if axes[-1] == TP:
+            def local(x, w):
+                return jax.lax.psum(ops.project(x, w, name, jnp.float32), TP).astype(out_dtype)
+            return jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP), spec), out_specs=P(), check_vma=False)(x, w)
+        if axes[-2] == TP:
+            local = functools.partial(ops.project, name=name, out_dtype=out_dtype)
+            return jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=P(None, TP),
+                                 check_vma=False)(x, w)
+        return ops.project(x, w, name, out_dtype)
 
     def moe(x, r, lw, config_):
         specs = {n: leaf_specs(a, lay[n].axes, tp) for n, a in lw.items()}
@@ -415,4 +449,5 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
     # The reference path's deferred cache write (``Ops.defer_kv_write``) is an XLA:CPU one-device
     # fix; per device the K/V would need their own shard_map specs, so a mesh writes per layer.
     return dataclasses.replace(ops, rope_write_kv=rope_write_kv, attention=attention,
-                               decode_attention=decode_attention, mlp=mlp, moe=moe, defer_kv_write=False)
+                               decode_attention=decode_attention, mlp=mlp, moe=moe, project=project,
+                               defer_kv_write=False)
