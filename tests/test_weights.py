@@ -331,3 +331,22 @@ def test_gguf_float32_weights_and_config_come_back_from_the_user_cache(tmp_path,
     assert jax.tree.structure(second) == jax.tree.structure(first)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_user_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    """The same file reinstalled (a fresh virtualenv: another path and modification time) finds what
+    was derived from it; a file whose content changed, even at the same size, derives again."""
+    from jaxinfer.user_cache import derived_from
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for p in (first, second):
+        p.parent.mkdir()
+        p.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    os.utime(second, ns=(1, 1))
+    assert derived_from(str(first), "gguf") == derived_from(str(second), "gguf")
+    before = derived_from(str(first), "gguf")
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 1
+    first.write_bytes(bytes(data))
+    assert derived_from(str(first), "gguf") != before
+    assert derived_from(str(second), "gguf") == before
