@@ -384,6 +384,11 @@ def _per_device(mesh: Mesh, fn, names: tuple[str, ...], out_specs, args: tuple, 
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)(traced)
 
 
+def _cache_out(names: tuple[str, ...], args: tuple, kwargs: dict) -> KVCache:
+    """The out spec of the cache an op returns: that of the ``cache`` it was given."""
+    return _cache_spec((dict(zip(names, args)) | kwargs)["cache"].quantized)
+
+
 def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
     """``ops`` run per device on its heads (attention), hidden slice (MLP) or experts (MoE)."""
     tp = mesh.shape[TP]
@@ -392,9 +397,8 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
 
     def rope_write_kv(*args, num_heads, num_kv_heads, **kw):
         names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "slot_mapping")
-        cache_spec = _cache_spec(dict(zip(names, args)).get("cache", kw.get("cache")).quantized)
         return _per_device(mesh, functools.partial(ops.rope_write_kv, num_heads=h_local, num_kv_heads=kv_local),
-                           names, (out_heads, cache_spec), args, kw)
+                           names, (out_heads, _cache_out(names, args, kw)), args, kw)
 
     def attention(*args, **kw):
         return _per_device(mesh, ops.attention, ("q", "k_cache", "v_cache", "layer", "md"), out_heads, args, kw)
@@ -403,9 +407,8 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
     if ops.decode_attention is not None:
         def decode_attention(*args, num_heads, **kw):
             names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "md")
-            cache_spec = _cache_spec(dict(zip(names, args)).get("cache", kw.get("cache")).quantized)
             return _per_device(mesh, functools.partial(ops.decode_attention, num_heads=h_local), names,
-                               (out_heads, cache_spec), args, kw)
+                               (out_heads, _cache_out(names, args, kw)), args, kw)
 
     def mlp(x, w_gate_up, w_down, r, act):
         def local(x, w_gate_up, w_down, r):
