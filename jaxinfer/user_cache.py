@@ -4,7 +4,9 @@ or ``~/.cache/jaxinfer``."""
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 
 _DIGESTS = "digests.json"
 
@@ -28,8 +30,7 @@ def _digest(path: str) -> str:
     and modification time and remembered in ``digests.json`` (a file gone or changed is dropped
     when the index is next written)."""
     path = os.path.abspath(path)
-    st = os.stat(path)
-    stamp = [st.st_size, st.st_mtime_ns]
+    stamp = _stamp(path)  # None: gone, and opening it below says so
     index_path = user_cache_dir(_DIGESTS)
     try:
         with open(index_path) as f:
@@ -41,22 +42,34 @@ def _digest(path: str) -> str:
         return entry[2]
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha1").hexdigest()[:20]
-    index = {p: e for p, e in index.items() if _unchanged(p, e)}
+    index = {p: e for p, e in index.items() if _stamp(p) == e[:2]}
     index[path] = stamp + [digest]
-    tmp = f"{index_path}.{os.getpid()}.tmp"
-    try:  # the index only saves time: a cache that cannot be written is skipped
-        os.makedirs(os.path.dirname(index_path), exist_ok=True)
+
+    def write(tmp):
         with open(tmp, "w") as f:
             json.dump(index, f)
-        os.replace(tmp, index_path)
-    except OSError:
-        pass
+
+    write_cache(index_path, write)
     return digest
 
 
-def _unchanged(path: str, entry: list) -> bool:
+def _stamp(path: str) -> list | None:
+    """The file's size and modification time (None: gone)."""
     try:
         st = os.stat(path)
     except OSError:
-        return False
-    return [st.st_size, st.st_mtime_ns] == entry[:2]
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def write_cache(path: str, write) -> None:
+    """``write(tmp)`` then an atomic rename to ``path``; a cache that cannot be written is skipped."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # unwritable, or another process wrote it first
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        logging.getLogger(__name__).warning("could not cache %s: %s", path, e)

@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # is mostly XLA:CPU compiling small models' steps, and this measured 90 -> 68 s on two of the most
 # compile-bound tests, against 93 -> 99 s on two that mostly run the embedded model. It changes no
 # arithmetic (XLA:CPU does not enable fast-math either way). Appended once, so sub-processes (the
-# server, the sharded runs) inherit it; tests/sharded_runs.py keeps it when it sets its device count.
+# server, the sharded runs) inherit it; tests/sharded_runs.py appends its device count after it.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()

@@ -18,8 +18,8 @@ import re
 import sys
 
 NUM_DEVICES, RUNS = int(sys.argv[1]), sys.argv[2:]
-# the device count, and the tests' LLVM level (conftest.py)
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NUM_DEVICES} --xla_backend_optimization_level=0"
+# The device count after the flags inherited (conftest.py's; XLA takes a repeated flag's last value).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json  # noqa: E402

@@ -35,7 +35,6 @@ RUNS = {
 
 def _start(devices: int, runs: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)
     return subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_runs.py"), str(devices), *runs],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -26,10 +26,8 @@ import glob
 import importlib.metadata
 import importlib.util
 import json
-import logging
 import os
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +44,7 @@ from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, chec
 from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme,
                             quantize, to_device, with_col_scale)
 from jaxinfer.quant import gguf as gguf_blocks
-from jaxinfer.user_cache import derived_from
+from jaxinfer.user_cache import derived_from, write_cache
 
 LOAD_FORMATS = ("auto", "dummy")
 # "none": full precision; "gguf": a GGUF file's blocks as they are; the rest: quantized at load.
@@ -129,7 +127,7 @@ def load_config(source: ModelSource) -> ModelConfig:
             with open(tmp, "w") as f:
                 json.dump(_config_to_json(config), f)
 
-        _write_cache(cached, write)
+        write_cache(cached, write)
         return config
     with open(os.path.join(source.path, CONVERTED_CONFIG)) as f:
         return _config_from_json(json.load(f)["config"])
@@ -591,19 +589,6 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     return ModelConfig.from_gguf_metadata(md)
 
 
-def _write_cache(path: str, write) -> None:
-    """``write(tmp)`` then an atomic rename to ``path``; a cache that cannot be written is skipped."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:  # unwritable, or another process wrote it first
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        logging.getLogger(__name__).warning("could not cache %s: %s", path, e)
-
-
 def _dequantized_gguf(path: str, config: ModelConfig) -> Weights:
     """The GGUF file's weights dequantized to float32, through the user cache: dequantizing (~3 s for
     SmolLM2) was, with parsing the header through gguf's GGUFReader then (~3 s, now ``gguf_file``), a
@@ -624,7 +609,7 @@ def _dequantized_gguf(path: str, config: ModelConfig) -> Weights:
             for i, x in enumerate(leaves):
                 np.save(os.path.join(tmp, f"{i}.npy"), np.asarray(x))
 
-        _write_cache(folder, write)
+        write_cache(folder, write)
     return weights
 
 
