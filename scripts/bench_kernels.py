@@ -13,10 +13,15 @@ other families' attention, e.g. Gemma-2-9B's ``--heads 16 --kv-heads 8 --head-di
 Ceilings measured in the same run: read bandwidth (sum over a multi-GB array) and the bf16 matmul
 rate (8192^3). Peers: our reference attention under jit (XLA gather + einsum), and the deprecated
 ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only; cache re-laid out for it, untimed).
+``--kv-cache-dtype int8|fp8``: every case over a quantized cache (codes and a float32 scale per token
+and kv head, as the engine's ``kv_cache_dtype``; the bytes counted are the codes' and the scales'),
+the reference attention reading the same codes; the deprecated op, which reads no codes, is left out.
 Timing: warm-up, then ``--reps`` repetitions of ``--inner`` back-to-back calls ending in
 block_until_ready; the median per call is reported. Prints a table, writes JSON to ``--out``.
 
     PYTHONPATH=. python3 scripts/bench_kernels.py --out /tmp/kernels.json
+    PYTHONPATH=. python3 scripts/bench_kernels.py --kv-cache-dtype fp8 --page-size 16 --seqs 256 --ctx 640 \
+        --sweep --out /tmp/kernels_fp8.json   # the throughput run's decode steps, over an fp8 cache
     PYTHONPATH=. python3 scripts/bench_kernels.py --heads 16 --kv-heads 8 --head-dim 256 --soft-cap 50 \
         --window 4096 --ctx 8192 --out /tmp/kernels_gemma2.json
 """
@@ -35,7 +40,7 @@ import numpy as np
 from ceilings import matmul_rate, read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
 from device_profile import kernel_times
 from jaxinfer.paged.attention import ragged_paged_attention as reference
-from jaxinfer.paged.kv_cache import BatchMetadata
+from jaxinfer.paged.kv_cache import BatchMetadata, quantize_rows
 from jaxinfer.pallas_kernels import gpu
 
 
@@ -57,6 +62,16 @@ def make_case(rng, num_seqs, ctx, q_len, *, heads, kv_heads, head_dim, page_size
         logits_indices=jnp.zeros((num_seqs,), jnp.int32),
     )
     return q, kc, vc, md
+
+
+def quantized(kc, vc, dtype: str):
+    """``(k, v, scales)``: the cache as codes of ``dtype`` and the ``k_scale``/``v_scale`` keywords of
+    the attention functions; bf16: the cache as it is and no keywords."""
+    if dtype == "bf16":
+        return kc, vc, {}
+    d = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[dtype]
+    (kq, ks), (vq, vs) = [quantize_rows(a, jnp.max(jnp.abs(a.astype(jnp.float32)), axis=-1), d) for a in (kc, vc)]
+    return kq, vq, dict(k_scale=ks, v_scale=vs)
 
 
 def rel_err(a, b):
@@ -88,6 +103,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--soft-cap", type=float, default=None, help="tanh cap on the scores (Gemma 2: 50)")
     ap.add_argument("--window", type=int, default=None, help="sliding window (Mistral, Gemma's local layers)")
+    ap.add_argument("--kv-cache-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
+                    help="the cache's element type (int8/fp8: codes plus per-token scales)")
     ap.add_argument("--seqs", type=int, default=64, help="decode sequences")
     ap.add_argument("--ctx", type=int, default=4096, help="decode context per sequence")
     ap.add_argument("--prefill-seqs", type=int, default=8)
@@ -120,26 +137,29 @@ def main():
 
     # ---- decode
     S, ctx = (4, 256) if small else (args.seqs, args.ctx)
+    kvd = args.kv_cache_dtype
     q, kc, vc, md = make_case(rng, S, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps, dtype=dt)
-    kv_bytes = 2 * S * min(ctx, window or ctx) * kv_heads * hd * jnp.dtype(dt).itemsize  # what the queries see
+    kc, vc, sc = quantized(kc, vc, kvd)
+    token_bytes = kv_heads * (hd * kc.dtype.itemsize + (4 if sc else 0))  # codes (+ a float32 scale) a kv head
+    kv_bytes = 2 * S * min(ctx, window or ctx) * token_bytes  # what the queries see
     res["decode_case"] = dict(seqs=S, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
-                              dtype="bf16", kv_bytes=kv_bytes)
+                              dtype="bf16", kv_cache_dtype=kvd, kv_bytes=kv_bytes)
     layer = jnp.int32(1)
     ref_jit = jax.jit(functools.partial(reference, **attn))
-    ref_out = ref_jit(q, kc, vc, layer, md) if args.only == "all" else None
+    ref_out = ref_jit(q, kc, vc, layer, md, **sc) if args.only == "all" else None
 
     def ours(case=None, traced_window=False, **cfg):
-        """Our decode kernel on the main case, or on another ``case`` (q, k, v, md) of the same size;
-        ``traced_window``: the window as a jit argument, as the scanned layer loop passes it."""
-        cq, ck, cv, cmd = case or (q, kc, vc, md)
-        want = ref_jit(cq, ck, cv, layer, cmd) if case else ref_out
+        """Our decode kernel on the main case, or on another ``case`` (q, k, v, md, scales) of the same
+        size; ``traced_window``: the window as a jit argument, as the scanned layer loop passes it."""
+        cq, ck, cv, cmd, csc = case or (q, kc, vc, md, sc)
+        want = ref_jit(cq, ck, cv, layer, cmd, **csc) if case else ref_out
         kw = dict(attn, **cfg)
         if traced_window:
             w = jnp.int32(kw.pop("sliding_window"))
-            g = jax.jit(lambda *a: gpu.ragged_paged_attention(*a[:-1], sliding_window=a[-1], **kw, **interp))
-            f = lambda *a: g(*a, w)  # noqa: E731
+            g = jax.jit(lambda *a, **s: gpu.ragged_paged_attention(*a[:-1], sliding_window=a[-1], **kw, **s, **interp))
+            f = lambda *a: g(*a, w, **csc)  # noqa: E731
         else:
-            f = jax.jit(functools.partial(gpu.ragged_paged_attention, **kw, **interp))
+            f = functools.partial(jax.jit(functools.partial(gpu.ragged_paged_attention, **kw, **interp)), **csc)
         err = rel_err(f(cq, ck, cv, layer, cmd), want) if want is not None else None
         t = tm(f, cq, ck, cv, layer, cmd)
         return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err,
@@ -153,22 +173,31 @@ def main():
 
         def no_window():  # the whole context read: the rate is of the window's bytes, so it shows the saving
             f = jax.jit(functools.partial(gpu.ragged_paged_attention, **dict(attn, sliding_window=None), **interp))
-            t = tm(f, q, kc, vc, layer, md)
+            t = tm(functools.partial(f, **sc), q, kc, vc, layer, md)
             return {"seconds": t, "TB/s (window bytes)": kv_bytes / t / 1e12,
                     "TB/s": kv_bytes * ctx / min(ctx, window) / t / 1e12}
         run("decode_ours_no_window_whole_context", res, no_window)
 
     def kernel_only():  # the decode kernel's own device time (profiler), without the XLA glue around it
-        f = jax.jit(functools.partial(gpu.ragged_paged_attention, **attn, **interp))
+        f = functools.partial(jax.jit(functools.partial(gpu.ragged_paged_attention, **attn, **interp)), **sc)
         t = kernel_times(f, q, kc, vc, layer, md).get("paged_decode_gpu")
         return {"seconds": t, "TB/s": kv_bytes / t / 1e12} if t else {"error": "no device trace (CPU?)"}
 
     run("decode_ours_kernel_only", res, kernel_only)
 
     # The engine's default page size: 4 pages per key block, gathered through the page table.
-    run("decode_ours_page16", res, lambda: ours(make_case(np.random.default_rng(0), S, ctx, 1, heads=heads,
-                                                          kv_heads=kv_heads, head_dim=hd, page_size=16, dtype=dt)))
+    def page16():
+        cq, ck, cv, cmd = make_case(np.random.default_rng(0), S, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                                    page_size=16, dtype=dt)
+        return (cq, *quantized(ck, cv, kvd)[:2], cmd, quantized(ck, cv, kvd)[2])
+
+    run("decode_ours_page16", res, lambda: ours(page16()))
     if args.sweep:
+        # warps and key blocks at page 16 (an 8-bit cache's loop is twice bf16's instructions a warp:
+        # scripts/kernel_sass.py)
+        for bk, warps in ((64, 8), (128, 4), (128, 8)):
+            run(f"decode_ours_page16_bk{bk}_w{warps}", res,
+                lambda bk=bk, warps=warps: ours(page16(), decode_block_k=bk, decode_warps=warps))
         for splits in (1, 2, 4, 8):
             for stages in (2, 3):
                 cfg = dict(num_splits=splits, decode_stages=stages)
@@ -177,7 +206,7 @@ def main():
             for bk, stages in ((32, 3), (64, 2), (64, 1), (128, 1)):
                 cfg = dict(decode_block_k=bk, decode_stages=stages)
                 run(f"decode_ours_bk{bk}_st{stages}", res, functools.partial(ours, **cfg))
-    run("decode_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md)),
+    run("decode_xla_reference", res, lambda: {"seconds": (t := tm(functools.partial(ref_jit, **sc), q, kc, vc, layer, md)),
                                               "TB/s": kv_bytes / t / 1e12})
 
     def old_pallas(**cfg):
@@ -190,7 +219,7 @@ def main():
         t = tm(f, qs, kp, vp, md.page_table, md.seq_lens)
         return {"seconds": t, "TB/s": kv_bytes / t / 1e12, "rel_err": err, "cfg": cfg}
 
-    if args.soft_cap is None and window is None:  # the deprecated op has neither
+    if args.soft_cap is None and window is None and not sc:  # the deprecated op has neither, nor codes
         run("decode_pallas_ops_gpu_paged_attention", res, old_pallas)
         if args.sweep:
             run("decode_pallas_ops_gpu_paged_attention_2", res,
@@ -201,14 +230,15 @@ def main():
     S, ctx = (2, 128) if small else (args.prefill_seqs, args.prefill_len)
     q, kc, vc, md = make_case(rng, S, ctx, ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
                               dtype=dt)
+    kc, vc, sc = quantized(kc, vc, kvd)
     visible = np.minimum(np.arange(1, ctx + 1), window or ctx)  # keys each query sees
     flops = 4 * hd * heads * S * int(visible.sum())
     res["prefill_case"] = dict(seqs=S, q_len=ctx, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                               page_size=ps, dtype="bf16", causal_flops=flops)
-    ref_out = ref_jit(q, kc, vc, layer, md)
+                               page_size=ps, dtype="bf16", kv_cache_dtype=kvd, causal_flops=flops)
+    ref_out = ref_jit(q, kc, vc, layer, md, **sc)
 
     def ours_pre(**cfg):
-        f = jax.jit(functools.partial(gpu.ragged_paged_attention, **attn, **interp, **cfg))
+        f = functools.partial(jax.jit(functools.partial(gpu.ragged_paged_attention, **attn, **interp, **cfg)), **sc)
         err = rel_err(f(q, kc, vc, layer, md), ref_out)
         t = tm(f, q, kc, vc, layer, md)
         return {"seconds": t, "TFLOP/s": flops / t / 1e12, "rel_err": err, "cfg": cfg}
@@ -219,7 +249,8 @@ def main():
             for rows, warps, stages in ((128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 8, 2), (128, 8, 2)):
                 cfg = dict(prefill_block_k=bk, prefill_rows=rows, prefill_warps=warps, prefill_stages=stages)
                 run(f"prefill_ours_bk{bk}_r{rows}_w{warps}_st{stages}", res, functools.partial(ours_pre, **cfg))
-    run("prefill_xla_reference", res, lambda: {"seconds": (t := tm(ref_jit, q, kc, vc, layer, md, reps=3, inner=2)),
+    run("prefill_xla_reference", res, lambda: {"seconds": (t := tm(functools.partial(ref_jit, **sc), q, kc, vc, layer, md,
+                                                                   reps=3, inner=2)),
                                                "TFLOP/s": flops / t / 1e12})
 
     with open(args.out, "w") as f:
