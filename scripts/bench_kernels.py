@@ -189,7 +189,8 @@ def main():
     def page16():
         cq, ck, cv, cmd = make_case(np.random.default_rng(0), S, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=hd,
                                     page_size=16, dtype=dt)
-        return (cq, *quantized(ck, cv, kvd)[:2], cmd, quantized(ck, cv, kvd)[2])
+        ck, cv, csc = quantized(ck, cv, kvd)
+        return cq, ck, cv, cmd, csc
 
     run("decode_ours_page16", res, lambda: ours(page16()))
     if args.sweep:

@@ -90,17 +90,11 @@ def loop_stats(text: str) -> dict:
 
 
 def decode_attention(args):
-    from bench_kernels import make_case  # scripts/ is on sys.path when run as a script
-    from jaxinfer.paged import kv_cache
+    from bench_kernels import make_case, quantized  # scripts/ is on sys.path when run as a script
     from jaxinfer.pallas_kernels import gpu
     q, k, v, md = make_case(np.random.default_rng(0), args.seqs, args.ctx, 1, heads=32, kv_heads=8, head_dim=128,
                             page_size=16, dtype=jnp.bfloat16)
-    scales = {}
-    if args.kv != "bf16":
-        dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}[args.kv]
-        (k, ks), (v, vs) = [kv_cache.quantize_rows(a, jnp.max(jnp.abs(a.astype(jnp.float32)), axis=-1), dtype)
-                            for a in (k, v)]
-        scales = dict(k_scale=ks, v_scale=vs)
+    k, v, scales = quantized(k, v, args.kv)
     f = functools.partial(gpu.ragged_paged_attention, scale=128 ** -0.5, decode_block_k=args.block_k,
                           decode_warps=args.warps, decode_stages=args.stages, prefill_warps=args.prefill_warps,
                           **scales)
