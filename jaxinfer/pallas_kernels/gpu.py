@@ -484,9 +484,12 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Tuning knobs (defaults from scripts/bench_kernels.py on an H200): ``num_splits`` (KV splits per
     decode sequence; default: enough programs to fill the GPU), ``*_block_k`` (key positions per
     loop step, a multiple of the page size or the page size itself), warps and pipeline stages (both
-    reduced by ``_fit`` where shared memory runs out). ``prefill_rows``/``prefill_warps`` default to
-    128/4 up to head_dim 128 and 64/8 at 256, where 128 rows of float32 accumulator would spill
-    registers (256 per thread in 4 warps; the limit is 255)."""
+    reduced by ``_fit`` where shared memory runs out). ``prefill_rows`` defaults to
+    128 up to head_dim 128 and 64 at 256, where 128 rows of float32 accumulator would spill registers
+    (256 per thread in 4 warps; the limit is 255); ``prefill_warps`` to 8. At 128 rows and head_dim
+    128, 4 warps also spill (255 registers, ~50 local loads and stores per key block; 8 warps: 181,
+    none), and 8 warps measured 0.85x the kernel's time over a bf16 cache, 0.87x over fp8 (H200,
+    8 sequences x 512 new tokens over 1,024; docs/benchmarks.md)."""
     num_tokens, num_heads, head_dim = q.shape
     rope_kv.check_head_dim(head_dim)
     _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -497,7 +500,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     max_q_dec = dec_rows // group
     big = head_dim > 128
     pre_rows = max(prefill_rows or (64 if big else 128), next_pow2(group))
-    prefill_warps = prefill_warps or (8 if big else 4)
+    prefill_warps = prefill_warps or 8
     ctx = pages_per_seq * page_size
 
     dec_bk, decode_stages, num_splits, blocks_per_split = _decode_plan(
