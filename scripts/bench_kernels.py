@@ -40,7 +40,7 @@ import numpy as np
 from ceilings import matmul_rate, read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
 from device_profile import kernel_times
 from jaxinfer.paged.attention import ragged_paged_attention as reference
-from jaxinfer.paged.kv_cache import BatchMetadata, kv_storage_dtype, quantize
+from jaxinfer.paged.kv_cache import BatchMetadata, kv_storage_dtype, pack_codes, quantize
 from jaxinfer.pallas_kernels import gpu
 
 
@@ -65,13 +65,14 @@ def make_case(rng, num_seqs, ctx, q_len, *, heads, kv_heads, head_dim, page_size
 
 
 def quantized(kc, vc, dtype: str):
-    """``(k, v, scales)``: the cache as codes of ``dtype`` and the ``k_scale``/``v_scale`` keywords of
-    the attention functions; bf16: the cache as it is and no keywords."""
+    """``(k, v, scales)``: the cache as codes of ``dtype`` (stored as the engine stores them: fp8 as
+    words, ``kv_cache.pack_codes``) and the ``k_scale``/``v_scale`` keywords of the attention
+    functions; bf16: the cache as it is and no keywords."""
     if dtype == "bf16":
         return kc, vc, {}
     d = kv_storage_dtype(dtype, kc.dtype)
     (kq, ks), (vq, vs) = quantize(kc, d), quantize(vc, d)
-    return kq, vq, dict(k_scale=ks, v_scale=vs)
+    return pack_codes(kq), pack_codes(vq), dict(k_scale=ks, v_scale=vs)
 
 
 def rel_err(a, b):
@@ -140,7 +141,7 @@ def main():
     kvd = args.kv_cache_dtype
     q, kc, vc, md = make_case(rng, S, ctx, 1, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps, dtype=dt)
     kc, vc, sc = quantized(kc, vc, kvd)
-    token_bytes = kv_heads * (hd * kc.dtype.itemsize + (4 if sc else 0))  # codes (+ a float32 scale) a kv head
+    token_bytes = kv_heads * (kc.shape[-1] * kc.dtype.itemsize + (4 if sc else 0))  # codes (+ a float32 scale) a kv head
     kv_bytes = 2 * S * min(ctx, window or ctx) * token_bytes  # what the queries see
     res["decode_case"] = dict(seqs=S, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=hd, page_size=ps,
                               dtype="bf16", kv_cache_dtype=kvd, kv_bytes=kv_bytes)

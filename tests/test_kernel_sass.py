@@ -17,7 +17,7 @@ def test_takes_each_pallas_call_as_lowered_for_cuda():
     by_name = {m["name"]: m for m in modules}
     decode = by_name["paged_decode_gpu"]
     assert (decode["warps"], decode["stages"]) == (8, 2)  # the call's own launch parameters
-    assert "f8E4M3FN" in decode["ttir"]  # the fp8 cache's codes
+    assert "cvt.rn.f16x2.e4m3x2" in decode["ttir"]  # the fp8 cache's words, converted two codes at a time
     # 4 sequences split their keys to fill the GPU, so the partials' combine kernel is lowered too;
     # each module is paired with its own call's parameters
     assert set(by_name) == {"paged_decode_gpu", "paged_decode_combine_gpu"}

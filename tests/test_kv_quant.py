@@ -13,9 +13,29 @@ import pytest
 from jaxinfer import LLM
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.paged.attention import ragged_paged_attention as reference
-from jaxinfer.paged.kv_cache import KVCache, dequantize, kv_storage_dtype, quantize
+from jaxinfer.paged.kv_cache import KVCache, dequantize, kv_storage_dtype, pack_codes, quantize, unpack_codes
 from jaxinfer.pallas_kernels import get_kernels
 from test_batching import BASE, assert_no_leak, drive, greedy, make_prompts
+
+
+def test_fp8_cache_holds_its_codes_as_words():
+    """An fp8 cache stores its codes as uint32 words ``[..., D / 4]`` whose bytes are the codes' bytes
+    in order (byte j of word c is code 4c + j: the GPU kernels' layout), and ``unpack_codes`` gives the
+    codes back; int8 codes are stored as they are; a head_dim the words cannot hold is refused."""
+    rng = np.random.default_rng(3)
+    codes = jnp.asarray(rng.standard_normal((3, 5, 64)) * 100, jnp.float32).astype(jnp.float8_e4m3fn)
+    words = pack_codes(codes)
+    assert words.dtype == jnp.uint32 and words.shape == (3, 5, 16)
+    as_bytes = np.asarray(codes).view(np.uint8)
+    assert (np.asarray(words).astype("<u4").view(np.uint8) == as_bytes).all()
+    assert (np.asarray(unpack_codes(words)).view(np.uint8) == as_bytes).all()
+    ints = jnp.asarray(rng.integers(-127, 128, (2, 8)), jnp.int8)
+    assert pack_codes(ints) is ints and unpack_codes(ints) is ints
+    cache = KVCache.zeros(2, 3, 4, 2, 64, jnp.float8_e4m3fn)
+    assert cache.k.dtype == jnp.uint32 and cache.k.shape == (2, 3, 4, 2, 16) and cache.head_dim == 64
+    assert cache.k_scale.shape == (2, 3, 4, 2)
+    with pytest.raises(ValueError, match="fp8 KV cache needs head_dim divisible by 4, got 30"):
+        KVCache.zeros(1, 1, 4, 1, 30, jnp.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -28,7 +28,7 @@ from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.models.config import PRESETS
 from jaxinfer.models.layers import Ops, rope_frequencies, rope_write_kv
-from jaxinfer.paged.kv_cache import KVCache, dequantize, kv_storage_dtype, quantize
+from jaxinfer.paged.kv_cache import KVCache, dequantize, kv_storage_dtype, pack_codes, quantize, unpack_codes
 from jaxinfer.pallas_kernels import BACKENDS, get_kernels
 from jaxinfer.pallas_kernels import gpu, rope_kv, tpu
 
@@ -85,7 +85,7 @@ def quantized_cache(kc, vc, kv_cache_dtype: str) -> KVCache:
     """Float caches' values as an int8/fp8 cache (codes and per-token-per-head scales)."""
     dtype = kv_storage_dtype(kv_cache_dtype, jnp.float32)
     (kq, ks), (vq, vs) = quantize(kc, dtype), quantize(vc, dtype)
-    return KVCache(kq, vq, ks, vs)
+    return KVCache(pack_codes(kq), pack_codes(vq), ks, vs)
 
 
 def assert_quantized_caches_close(got: KVCache, want: KVCache, written: np.ndarray | None = None):
@@ -96,13 +96,14 @@ def assert_quantized_caches_close(got: KVCache, want: KVCache, written: np.ndarr
     for (c, x), (wc, wx) in (((got.k, got.k_scale), (want.k, want.k_scale)),
                              ((got.v, got.v_scale), (want.v, want.v_scale))):
         assert c.dtype == wc.dtype and x.dtype == wx.dtype == jnp.float32
-        a, b = np.asarray(dequantize(c, x)), np.asarray(dequantize(wc, wx))
+        a, b = np.asarray(dequantize(unpack_codes(c), x)), np.asarray(dequantize(unpack_codes(wc), wx))
         scale = np.asarray(wx)[..., None]
         # One code step: int8's is the scale; e4m3's (3 mantissa bits) at most an eighth of the value,
         # and 2**-9 (its subnormal step) of the scale near zero.
         step = (scale if wc.dtype == jnp.int8 else np.abs(b) / 8 + scale * 2.0 ** -9) * 1.001 + 1e-6
         assert (np.abs(a - b) <= step).all()
-        assert (np.asarray(c.astype(jnp.float32)) == np.asarray(wc.astype(jnp.float32))).mean() >= 0.99
+        codes = [np.asarray(unpack_codes(y).astype(jnp.float32)) for y in (c, wc)]
+        assert (codes[0] == codes[1]).mean() >= 0.99
         if written is not None:
             assert (np.asarray(x)[1].reshape(-1, x.shape[-1])[written] > 0).all()
 
@@ -208,7 +209,7 @@ def test_matches_reference(kernel, case):
 
 
 @pytest.mark.parametrize("case,kv_cache_dtype", [("gqa1_f32_d128_softcap_window", "fp8"),
-                                                 ("mixed_bf16_gqa8_d128", "int8")])
+                                                 ("mixed_bf16_gqa8_d128", "int8"), ("mixed_bf16_gqa8_d128", "fp8")])
 def test_gpu_quantized_cache_matches_reference(case, kv_cache_dtype):
     """The GPU kernels over an int8/fp8 cache against the reference over the same codes and scales
     (which dequantizes the gathered context before attending): the float cases' tolerance, since the

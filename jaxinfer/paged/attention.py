@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.paged.kv_cache import BatchMetadata, dequantize, quantize, segment_of
+from jaxinfer.paged.kv_cache import BatchMetadata, code_dtype, dequantize, quantize, segment_of, unpack_codes
 
 # Scores are materialized for a block of queries at a time; this bounds a block's
 # (queries x context) so prefill of long prompts stays within memory.
@@ -68,14 +68,14 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     num_key_blocks = -(-pages_per_seq // block_pages)
     page_table = jnp.pad(md.page_table, ((0, 0), (0, num_key_blocks * block_pages - pages_per_seq)))
     if new_kv is not None and k_scale is not None:
-        new_kv = tuple(dequantize(*quantize(x, c.dtype)) for x, c in zip(new_kv, (k_cache, v_cache)))
+        new_kv = tuple(dequantize(*quantize(x, code_dtype(c))) for x, c in zip(new_kv, (k_cache, v_cache)))
     seq, pos, valid = token_layout(md, num_tokens)
 
     def context(j):
         """Keys and values of key block ``j`` of every sequence: [S, key_block, kv_heads, D] each."""
         pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)
-        k = k_cache[layer, pages].reshape(num_seqs, key_block, num_kv_heads, head_dim)
-        v = v_cache[layer, pages].reshape(num_seqs, key_block, num_kv_heads, head_dim)
+        k = unpack_codes(k_cache[layer, pages]).reshape(num_seqs, key_block, num_kv_heads, head_dim)
+        v = unpack_codes(v_cache[layer, pages]).reshape(num_seqs, key_block, num_kv_heads, head_dim)
         if k_scale is not None:
             k = dequantize(k, k_scale[layer, pages].reshape(num_seqs, key_block, num_kv_heads))
             v = dequantize(v, v_scale[layer, pages].reshape(num_seqs, key_block, num_kv_heads))

@@ -23,6 +23,13 @@ llm-compressor; per-head scales only from calibration) or per page:
 - Bandwidth: 4 scale bytes per ``head_dim`` code bytes, +3% at head_dim 128 (the cache read per
   step is 0.52x of bf16's rather than 0.5x); the kernels apply them to the scores (K) and to the
   probabilities (V), one multiply per key, not per element.
+fp8 codes are stored as uint32 words of four (``[..., head_dim / 4]``; byte ``j`` of word ``c`` is element
+``4c + j``, the same bytes as a float8 array): XLA cannot reinterpret an array at another element width
+without copying it, and the GPU decode kernel wants words. Loaded from shared memory as bytes and
+widened one at a time, an fp8 cache made the kernel slower than bf16's although it reads half the
+bytes; as words, two codes become two float16 with one ``cvt.rn.f16x2.e4m3x2`` and the kernel is
+0.70x the bytes' time (H200, 256 sequences x 640 tokens, docs/benchmarks.md). ``pack_codes`` and
+``unpack_codes`` convert; ``code_dtype`` names what a stored array holds.
 Attention always sees the dequantized values, the step's own new tokens included (as if written,
 then read), so every path (reference, deferred write, Pallas kernels) computes the same thing.
 """
@@ -49,6 +56,27 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
 
 def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in _QMAX
+
+
+def code_dtype(stored) -> jnp.dtype:
+    """The code dtype a stored cache array holds: float8_e4m3fn for uint32 words, else its own."""
+    return jnp.dtype(jnp.float8_e4m3fn) if stored.dtype == jnp.uint32 else jnp.dtype(stored.dtype)
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """fp8 codes ``[..., D]`` as the cache stores them, uint32 words ``[..., D / 4]``; other dtypes as
+    they are."""
+    if codes.dtype != jnp.float8_e4m3fn:
+        return codes
+    return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4), jnp.uint32)
+
+
+def unpack_codes(stored: jax.Array) -> jax.Array:
+    """``pack_codes`` undone: the codes of a stored cache array (or a gathered part of one)."""
+    if stored.dtype != jnp.uint32:
+        return stored
+    codes = jax.lax.bitcast_convert_type(stored, jnp.float8_e4m3fn)  # [..., D / 4, 4]
+    return codes.reshape(*stored.shape[:-1], 4 * stored.shape[-1])
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -90,6 +118,10 @@ class KVCache:
         return self.k.shape[2]
 
     @property
+    def head_dim(self) -> int:
+        return self.k.shape[-1] * (4 if self.k.dtype == jnp.uint32 else 1)
+
+    @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
@@ -105,10 +137,15 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
               dtype=jnp.float32) -> "KVCache":
-        """An empty pool of element ``dtype``; int8 / float8_e4m3fn make a quantized one (with scales)."""
+        """An empty pool of element ``dtype``; int8 / float8_e4m3fn make a quantized one (with scales;
+        fp8 codes as uint32 words, ``pack_codes``)."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         if not is_quantized(dtype):
             return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+            if head_dim % 4:
+                raise ValueError(f"an fp8 KV cache needs head_dim divisible by 4, got {head_dim}")
+            shape, dtype = shape[:-1] + (head_dim // 4,), jnp.uint32
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], jnp.float32),
                    jnp.zeros(shape[:-1], jnp.float32))
 
@@ -152,15 +189,16 @@ def segment_of(ends: jax.Array, idx: jax.Array) -> jax.Array:
 def _put(cache: KVCache, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Scatter rows ``[N, kv_heads, head_dim]`` into the flat slots ``slots`` of every layer (a free
     reshape to ``[layers * pages * page_size, ...]``), quantizing them first for a quantized cache."""
-    nl, n, ps, h, d = cache.k.shape
+    nl, n, ps = cache.k.shape[:3]
 
     def put(pages, new):
         return pages.reshape(nl * n * ps, *pages.shape[3:]).at[slots].set(new.astype(pages.dtype), mode="drop") \
             .reshape(pages.shape)
     if not cache.quantized:
         return KVCache(put(cache.k, k), put(cache.v, v))
-    (kq, ks), (vq, vs) = quantize(k, cache.k.dtype), quantize(v, cache.v.dtype)
-    return KVCache(put(cache.k, kq), put(cache.v, vq), put(cache.k_scale, ks), put(cache.v_scale, vs))
+    (kq, ks), (vq, vs) = quantize(k, code_dtype(cache.k)), quantize(v, code_dtype(cache.v))
+    return KVCache(put(cache.k, pack_codes(kq)), put(cache.v, pack_codes(vq)), put(cache.k_scale, ks),
+                   put(cache.v_scale, vs))
 
 
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
@@ -169,7 +207,7 @@ def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: ja
     The scatter goes through a flat ``[layers * pages * page_size, ...]`` view (a free reshape):
     a one-index scatter measured 0.7 ms faster per 8B decode step on an H200 than indexing
     (layer, page, offset) separately. Out-of-pool slots (padding) are dropped."""
-    nl, n, ps, h, d = cache.k.shape
+    nl, n, ps = cache.k.shape[:3]
     slots = jnp.where(slot_mapping < n * ps, layer * (n * ps) + slot_mapping, nl * n * ps)
     return _put(cache, slots, k, v)
 
@@ -183,7 +221,7 @@ def write_kv_layers(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: ja
     order a layer's reads before the next layer's in-place write and copied the whole pool several
     times per layer (SmolLM2 batch-1 decode with a 1,024-page pool: ~28 s per step on this
     contended 2-core box, ~0.1 s after)."""
-    nl, n, ps, h, d = cache.k.shape
+    nl, n, ps = cache.k.shape[:3]
     layer_rows = jnp.arange(nl, dtype=jnp.int32)[:, None] * (n * ps)
     slots = jnp.where(slot_mapping[None, :] < n * ps, layer_rows + slot_mapping[None, :], nl * n * ps).reshape(-1)
-    return _put(cache, slots, k.reshape(-1, h, d), v.reshape(-1, h, d))
+    return _put(cache, slots, k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))

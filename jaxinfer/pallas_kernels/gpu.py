@@ -49,7 +49,11 @@ Design, and why:
   key block are loaded (the bandwidth saving is real: about half of bf16's bytes); the codes are
   cast to the query's dtype in registers (exact: int8 and e4m3 values are bf16 values) and the
   scales applied to the scores (K) and to the probabilities (V), one multiply per key rather than
-  per element. Kernels that write the cache quantize there (``kv_cache.quantize_rows``).
+  per element. Kernels that write the cache quantize there (``kv_cache.quantize_rows``). fp8 codes
+  come as uint32 words of four (``kv_cache.pack_codes``), turned into float16 two at a time
+  (``_fp8_words``): the decode kernel then takes q, K, V and its output in 4 column parts ``4c + j``
+  (byte j of the words against part j, no reordering); the prefill and fused decode kernels join
+  the parts back into element order (128 query rows of 4 small dots each were slower).
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
 powers of two (Triton block shapes).
 
@@ -69,7 +73,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, quantize_rows
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, code_dtype, quantize_rows
 from jaxinfer.pallas_kernels import rope_kv
 from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2, query_blocks
 
@@ -86,8 +90,35 @@ FUSED_MAX_SEQS = 16
 _SMEM_BYTES = 200 * 1024
 
 
+def _fp8_words(w, interpret, join):
+    """The fp8 (e4m3fn) codes of an fp8 cache's uint32 words ``w [n, C]`` (``kv_cache.pack_codes``) as
+    float16, exactly: 4 arrays ``[n, C]`` (part j: byte j of each word, element ``4c + j``), or with
+    ``join`` one ``[n, 4C]`` in element order. Two codes an instruction: an inline-PTX ``prmt`` takes
+    byte j of two words, ``cvt.rn.f16x2.e4m3x2`` (sm_89+) makes two float16 of them; a byte load and
+    a conversion per code made the decode kernel over fp8 slower than over bf16 (docs/benchmarks.md).
+    ``interpret``: the same in jnp (interpret mode cannot run PTX)."""
+    parts = []
+    for j in range(4):
+        if interpret:
+            b = ((w >> (8 * j)) & 0xFF).astype(jnp.uint8)
+            parts.append(jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float16))
+            continue
+        asm = ("{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, $2, " + hex(((4 + j) << 4) | j) + "; "
+               "mov.b32 {lo, hi}, t; cvt.rn.f16x2.e4m3x2 $0, lo; }")
+        (h,) = plgpu.elementwise_inline_asm(asm, args=[w], constraints="=r,r,r", pack=2,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float16)])
+        parts.append(h)
+    if not join:
+        return parts
+    # element 4c + 2a + b is part 2a + b's column c: Triton's join stacks along a new minor axis of 2
+    p0, p1, p2, p3 = parts
+    return jnp.stack([jnp.stack([p0, p2], axis=-1), jnp.stack([p1, p3], axis=-1)], axis=-1).reshape(
+        w.shape[0], 4 * w.shape[1])
+
+
 def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo, blk_hi, *,
-                  kv_lo, kv_hi, window, page_size, block_k, scale, soft_cap, precision, evict_first=False):
+                  kv_lo, kv_hi, window, page_size, block_k, scale, soft_cap, precision, evict_first=False,
+                  interpret=False, q_parts=False):
     """Online softmax of the query rows over key blocks ``blk_lo..blk_hi-1`` of ``block_k`` positions.
     ``window``: the sliding window (a traced scalar read from the kernel's operands; None: none).
 
@@ -100,12 +131,21 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
     float32) is a strided slice; a block of several pages gathers its rows through the page table,
     so the load size per step is independent of the page size.
     A quantized cache passes ``k_ref``/``v_ref`` as (codes, scales ``[layers, pages * page_size,
-    kv_heads]``) pairs.
+    kv_heads]``) pairs; fp8 codes as uint32 words ``[..., D / 4]``, where ``q`` may come as the list of
+    its 4 column parts (``_query_rows``), and the output then does too.
     Returns (acc, m, l): unnormalized output, running max and running sum per row.
     """
     quantized = isinstance(k_ref, tuple)
     (k_ref, ks_ref), (v_ref, vs_ref) = (k_ref, v_ref) if quantized else ((k_ref, None), (v_ref, None))
-    rows, head_dim = row_pos.shape[0], k_ref.shape[-1]
+    words = k_ref.dtype == jnp.uint32  # fp8 codes, 4 a word (kv_cache.pack_codes)
+    rows, head_dim = row_pos.shape[0], k_ref.shape[-1] * (4 if words else 1)
+    # fp8 words: the dots run in float16 (float32 for float32 queries, the exact tests: precision HIGHEST),
+    # q prescaled by 2**-qexp so that float16 holds it (|q| up to 2**24; scores scaled back).
+    wdt = jnp.float32 if precision is not None else jnp.float16
+    qexp = 8 if words and wdt == jnp.float16 else 0
+
+    def prep(q):
+        return jax.tree.map(lambda x: (x.astype(jnp.float32) * 2.0 ** -qexp).astype(wdt), q) if words else q
     pages_per_seq = pt_ref.shape[1]
 
     per_page = page_size // block_k  # key blocks per page (0: a block spans pages)
@@ -132,14 +172,23 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
         return k, v
 
     def update(q, i, k, v, carry, live=True):
-        acc, m, l = carry
-        if quantized:  # dequantized in registers: codes cast for the dot, scales on scores / probabilities
+        acc, m, l, unit = carry
+        if words:
             (k, k_scale), (v, v_scale) = k, v
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
-        if quantized:
-            s = s * k_scale[None, :]
-        s = s * scale
+            if parts:  # one dot per byte of the words
+                s = 0.0
+                for qj, kj in zip(q, _fp8_words(k, interpret, join=False)):
+                    s = s + jnp.dot(qj, kj.astype(wdt).T, precision=precision, preferred_element_type=jnp.float32)
+            else:
+                k = _fp8_words(k, interpret, join=True).astype(wdt)
+                s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        else:
+            if quantized:  # dequantized in registers: codes cast for the dot, scales on scores / probabilities
+                (k, k_scale), (v, v_scale) = k, v
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+            s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        # one multiply a score: the softmax scale, K's scales and the queries' prescale folded per key
+        s = s * ((k_scale * (scale * 2.0 ** qexp))[None, :] if quantized else scale)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
@@ -152,17 +201,38 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
+        if words:
+            # p times V's scales over the block's largest one: p * scale itself would fall into
+            # float16's subnormals for small values. acc is kept in units of that largest scale
+            # (``unit``, put back once after the loop), so the block's product needs no multiply of
+            # its own: an H200 prefill step spent 64 extra multiplies a thread a block on it.
+            vmax = jnp.max(v_scale)
+            vmax = jnp.where(vmax > 0, vmax, 1.0)
+            pw, alpha = (p * (v_scale / vmax)[None, :]).astype(wdt), alpha * (unit / vmax)
+
+            def mix(a, vj):
+                return alpha[:, None] * a + jnp.dot(pw, vj.astype(wdt), precision=precision,
+                                                    preferred_element_type=jnp.float32)
+            vs = _fp8_words(v, interpret, join=not parts)
+            return ([mix(a, vj) for a, vj in zip(acc, vs)] if parts else mix(acc, vs)), m_new, l, vmax
         pv = jnp.dot((p * v_scale[None, :] if quantized else p).astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
-        return alpha[:, None] * acc + pv, m_new, l
+        return alpha[:, None] * acc + pv, m_new, l, unit
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    parts = isinstance(q, list)  # q (and so the output) in 4 column parts 4c + j: see _query_rows
+    acc = jnp.zeros((rows, head_dim // 4 if parts else head_dim), jnp.float32)
+    init = ([acc] * 4 if parts else acc, jnp.full((rows,), _MASK, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.float32(1.0))
     if callable(q):  # peel the first block (masked out when the range is empty)
         first = load(blk_lo)
-        q = q()
+        q = prep(q())
         init, blk_lo = update(q, blk_lo, *first, init, live=blk_lo < blk_hi), blk_lo + 1
-    return jax.lax.fori_loop(blk_lo, blk_hi, lambda i, c: update(q, i, *load(i), c), init)
+    else:
+        q = prep(q)
+    acc, m, l, unit = jax.lax.fori_loop(blk_lo, blk_hi, lambda i, c: update(q, i, *load(i), c), init)
+    if words:
+        acc = [a * unit for a in acc] if parts else acc * unit
+    return acc, m, l
 
 
 def _row_index(tok0, ntok, h, rows, group, num_heads, num_rows):
@@ -175,23 +245,34 @@ def _row_index(tok0, ntok, h, rows, group, num_heads, num_rows):
     return row_ok, jnp.where(row_ok, (tok0 + r // group) * num_heads + h * group + r % group, num_rows + r)
 
 
-def _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads):
-    """A program's query rows, gathered in place from ``q`` viewed as ``[T * H, D]``; zero past ``ntok``."""
+def _cols(head_dim, parts):
+    """Column indices ``[1, D / parts]`` of each part of a head: ``parts * c + j`` for part ``j``."""
+    c = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim // parts), 1)
+    return [c * parts + j for j in range(parts)]
+
+
+def _query_rows(q_ref, tok0, ntok, h, rows, group, num_heads, parts=1):
+    """A program's query rows, gathered in place from ``q`` viewed as ``[T * H, D]``; zero past ``ntok``.
+    ``parts=4``: a list of 4 column parts (``_cols``), byte j of an fp8 cache's words against part j:
+    the decode kernel's dots then take the codes as they convert, without reordering them (measured
+    0.70x the bytes' time on an H200; as one dot over reordered codes, ~13% more instructions)."""
     num_rows, head_dim = q_ref.shape
     row_ok, idx = _row_index(tok0, ntok, h, rows, group, num_heads, num_rows)
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
-    mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
-    return plgpu.load(q_ref.at[jnp.minimum(idx, num_rows - 1)[:, None], col], mask=mask, other=0)
+    mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim // parts))
+    got = [plgpu.load(q_ref.at[jnp.minimum(idx, num_rows - 1)[:, None], col], mask=mask, other=0)
+           for col in _cols(head_dim, parts)]
+    return got if parts > 1 else got[0]
 
 
 def _store_rows(o_ref, acc, l, tok0, ntok, h, group, num_heads, num_rows):
     """Normalize a program's rows and scatter them into the token-layout output ``[T * H, D]``."""
-    rows, head_dim = acc.shape
+    parts = acc if isinstance(acc, list) else [acc]  # column parts, as _query_rows
+    rows, head_dim = parts[0].shape[0], o_ref.shape[1]
     row_ok, idx = _row_index(tok0, ntok, h, rows, group, num_heads, num_rows)
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    plgpu.store(o_ref.at[idx[:, None], col], out.astype(o_ref.dtype),
-                mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)))
+    l = jnp.where(l > 0, l, 1.0)[:, None]
+    for a, col in zip(parts, _cols(head_dim, len(parts))):
+        plgpu.store(o_ref.at[idx[:, None], col], (a / l).astype(o_ref.dtype),
+                    mask=jnp.broadcast_to(row_ok[:, None], a.shape))
 
 
 def _split_keys(split, blocks_per_split, first_pos, kv_hi, window, *, block_k, **_):
@@ -226,7 +307,8 @@ def _decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q0, q_len, ntok = _decode_tokens(qs_ref, s, max_q)
     seq_len = lens_ref[s]
-    q = _query_rows(q_ref, q0, ntok, h, rows, group, num_heads)
+    parts = 4 if attend_kw["q_parts"] else 1
+    q = _query_rows(q_ref, q0, ntok, h, rows, group, num_heads, parts)
     row_pos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
 
     kv_hi = jnp.where(ntok > 0, seq_len, 0)
@@ -238,7 +320,12 @@ def _decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, q_ref, k_ref, v_ref, *out_
         _store_rows(out_refs[1], acc, l, q0, ntok, h, group, num_heads, q_ref.shape[0])
     else:
         acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...] = acc
+        if parts > 1:
+            r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            for a, col in zip(acc, _cols(acc_ref.shape[-1], parts)):
+                plgpu.store(acc_ref.at[r, col], a)
+        else:
+            acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
 
@@ -327,7 +414,7 @@ def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x
 
         k_rot = rotate(*k_raw)
         if quantized:  # [1, D] codes and [1] scales
-            (k_new, k_scale), (v_new, v_scale) = [quantize_rows(a, jnp.max(jnp.abs(a), axis=1), r.dtype)
+            (k_new, k_scale), (v_new, v_scale) = [quantize_rows(a, jnp.max(jnp.abs(a), axis=1), code_dtype(r))
                                                   for a, r in ((k_rot, k_ref), (v_raw, v_ref))]
             new.update(k=k_new, v=v_new, k_scale=k_scale, v_scale=v_scale,
                        k_deq=k_new.astype(jnp.float32) * k_scale[:, None],
@@ -357,8 +444,9 @@ def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x
 
     @pl.when(live & (split == 0) & (slot < k_ref.shape[1]))
     def _():
-        plgpu.store(k_ref.at[lw_refs[0][0], slot, h, :], k_new[0])
-        plgpu.store(v_ref.at[lw_refs[0][0], slot, h, :], v_new[0])
+        pack = rope_kv.pack_fp8_words if k_ref.dtype == jnp.uint32 else (lambda c: c)
+        plgpu.store(k_ref.at[lw_refs[0][0], slot, h, :], pack(k_new)[0])
+        plgpu.store(v_ref.at[lw_refs[0][0], slot, h, :], pack(v_new)[0])
         if quantized:
             k_refs[1][lw_refs[0][0], slot, h] = new["k_scale"][0]
             v_refs[1][lw_refs[0][0], slot, h] = new["v_scale"][0]
@@ -486,21 +574,23 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     loop step, a multiple of the page size or the page size itself), warps and pipeline stages (both
     reduced by ``_fit`` where shared memory runs out). ``prefill_rows`` defaults to
     128 up to head_dim 128 and 64 at 256, where 128 rows of float32 accumulator would spill registers
-    (256 per thread in 4 warps; the limit is 255); ``prefill_warps`` to 8. At 128 rows and head_dim
-    128, 4 warps also spill (255 registers, ~50 local loads and stores per key block; 8 warps: 181,
-    none), and 8 warps measured 0.85x the kernel's time over a bf16 cache, 0.87x over fp8 (H200,
-    8 sequences x 512 new tokens over 1,024; docs/benchmarks.md)."""
+    (256 per thread in 4 warps; the limit is 255); ``prefill_warps`` to 8, or 4 over an fp8 cache's
+    words. At 128 rows and head_dim 128, 4 warps spill (255 registers, ~50 local loads and stores per
+    key block; 8 warps: 181, none), and 8 warps measured 0.85x the kernel's time over a bf16 cache
+    (H200, 8 sequences x 512 new tokens over 1,024; docs/benchmarks.md); over fp8 words 4 warps
+    spill too (843 SASS instructions a key block) and still measured 0.68x 8 warps' time (H100)."""
     num_tokens, num_heads, head_dim = q.shape
     rope_kv.check_head_dim(head_dim)
     _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs, pages_per_seq = md.page_table.shape
-    itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize)
+    words = k_cache.dtype == jnp.uint32  # fp8 codes stored 4 a word (kv_cache.pack_codes)
+    itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(code_dtype(k_cache)).itemsize)
     dec_rows = max(16, next_pow2(group))  # tl.dot wants >= 16 rows
     max_q_dec = dec_rows // group
     big = head_dim > 128
     pre_rows = max(prefill_rows or (64 if big else 128), next_pow2(group))
-    prefill_warps = prefill_warps or 8
+    prefill_warps = prefill_warps or (4 if words else 8)
     ctx = pages_per_seq * page_size
 
     dec_bk, decode_stages, num_splits, blocks_per_split = _decode_plan(
@@ -515,9 +605,9 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     page_table = jnp.clip(md.page_table, 0, num_pages - 1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     attend_kw = dict(page_size=page_size, scale=scale, soft_cap=soft_cap, windowed=sliding_window is not None,
-                     precision=precision)
+                     precision=precision, interpret=interpret)
     # Token-addressed view of the stacked cache (a free reshape): [layers, pages * page_size, kv_heads, D].
-    k_flat = k_cache.reshape(k_cache.shape[0], num_pages * page_size, num_kv_heads, head_dim)
+    k_flat = k_cache.reshape(k_cache.shape[0], num_pages * page_size, num_kv_heads, k_cache.shape[-1])
     v_flat = v_cache.reshape(k_flat.shape)
     if k_scale is not None:  # (codes, scales) pairs; the kernels see a tuple of refs
         k_flat, v_flat = [(c, x.reshape(c.shape[:-1])) for c, x in ((k_flat, k_scale), (v_flat, v_scale))]
@@ -533,7 +623,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         pl.pallas_call, grid=(num_seqs, num_kv_heads, num_splits),
         compiler_params=plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages),
         interpret=interpret, name="paged_decode_gpu")
-    decode_kw = dict(group=group, num_heads=num_heads, max_q=max_q_dec, rows=dec_rows,
+    decode_kw = dict(q_parts=words, group=group, num_heads=num_heads, max_q=max_q_dec, rows=dec_rows,
                      blocks_per_split=blocks_per_split, block_k=dec_bk, evict_first=decode_evict_first, **attend_kw)
     if num_splits == 1:
         out = decode(functools.partial(_decode_kernel, **decode_kw), out_shape=out_shape,
@@ -587,18 +677,19 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
     one was slower (175 vs 171 us per layer; every program reads its token's residual row and does
     its RoPE)."""
     num_tokens, hidden = x.shape
-    nl, num_pages, page_size, num_kv_heads, head_dim = cache.k.shape
+    nl, num_pages, page_size, num_kv_heads = cache.k.shape[:4]
+    head_dim = cache.head_dim
     rope_kv.check_head_dim(head_dim)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm are given together or not at all")
     group = num_heads // num_kv_heads
     num_seqs = md.page_table.shape[0]
     rows = max(16, next_pow2(group))
-    itemsize = max(jnp.dtype(qkv.dtype).itemsize, jnp.dtype(cache.k.dtype).itemsize)
+    itemsize = max(jnp.dtype(qkv.dtype).itemsize, jnp.dtype(code_dtype(cache.k)).itemsize)
     block_k, decode_stages, num_splits, blocks_per_split = _decode_plan(
         md, page_size, num_kv_heads, num_splits, decode_block_k, decode_stages, sliding_window, rows=rows,
         head_dim=head_dim, itemsize=itemsize)
-    flat = (nl, num_pages * page_size, num_kv_heads, head_dim)
+    flat = (nl, num_pages * page_size, num_kv_heads, cache.k.shape[-1])
     caches = [cache.k.reshape(flat), cache.v.reshape(flat)]
     if cache.quantized:  # (codes, scales) pairs, aliased leaf by leaf
         caches = [(c, x.reshape(flat[:-1])) for c, x in zip(caches, (cache.k_scale, cache.v_scale))]
@@ -627,6 +718,7 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
                           eps=eps, rows=rows, blocks_per_split=blocks_per_split, block_k=block_k,
                           page_size=page_size, scale=scale, soft_cap=soft_cap, windowed=sliding_window is not None,
                           has_bias=qkv_bias is not None, has_norm=q_norm is not None,
+                          interpret=interpret, q_parts=False,
                           precision=jax.lax.Precision.HIGHEST if qkv.dtype == jnp.float32 else None),
         grid=(num_seqs, num_kv_heads, num_splits), out_shape=out_shape + cache_shapes,
         input_output_aliases=aliases,

@@ -16,7 +16,8 @@ Head counts and the hidden size need not be powers of two: rows are padded to on
 head_dim must be one (16 to 256; ``get_kernels`` gives a model whose head_dim is not, Phi-3's 96, the
 reference instead). A quantized cache (int8/fp8 plus per-token-per-head scales, ``paged.kv_cache``) is
 written quantized: each k/v head's amax is taken over its two halves, then both halves are coded
-against it (``kv_cache.quantize_rows``) and the scale is stored beside them.
+against it (``kv_cache.quantize_rows``) and the scale is stored beside them; fp8 codes packed four to a
+uint32 word, as the cache stores them (``pack_fp8_words``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.kv_cache import KVCache, quantize_rows
+from jaxinfer.paged.kv_cache import KVCache, code_dtype, quantize_rows
 from jaxinfer.pallas_kernels._blocks import next_pow2
 
 
@@ -41,6 +42,15 @@ def check_head_dim(head_dim: int) -> None:
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported by the pallas_gpu kernels; allowed: {HEAD_DIMS} "
                          f"(use attention_backend='reference')")
+
+
+def pack_fp8_words(codes: jax.Array) -> jax.Array:
+    """fp8 codes ``[n, D]`` as the cache stores them (``kv_cache.pack_codes``), in a kernel: uint32
+    words ``[n, D / 4]``, byte ``j`` of word ``c`` being code ``4c + j`` (Triton cannot bitcast across
+    widths; the four bytes are summed at their shifts)."""
+    b = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32)
+    b = b.reshape(codes.shape[0], codes.shape[1] // 4, 4)
+    return jnp.sum(b << (8 * jax.lax.broadcasted_iota(jnp.uint32, b.shape, 2)), axis=2)
 
 
 def head_norm(halves, w_halves, eps: float):
@@ -101,13 +111,17 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, *ref
         if isinstance(ref, tuple):  # quantized: codes against the head's amax, the scale beside them
             ref, scale_ref = ref
             amax = jnp.maximum(jnp.max(jnp.abs(halves[0]), axis=1), jnp.max(jnp.abs(halves[1]), axis=1))
-            codes = [quantize_rows(x, amax, ref.dtype) for x in halves]
+            codes = [quantize_rows(x, amax, code_dtype(ref)) for x in halves]
             halves = [c for c, _ in codes]
             plgpu.store(scale_ref.at[jnp.where(valid, head, scale_ref.shape[0] + lane)], codes[0][1], mask=valid)
-        mask = jnp.broadcast_to(valid[:, None], (head.shape[0], half))
+            if ref.dtype == jnp.uint32:
+                halves = [pack_fp8_words(x) for x in halves]
+        width = ref.shape[1]  # half a head: D / 2 elements, or D / 8 words of fp8 codes
+        mask = jnp.broadcast_to(valid[:, None], (head.shape[0], width))
+        cols = col if width == half else jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
         for j, x in enumerate(halves):
             row = jnp.where(valid, 2 * head + j, ref.shape[0] + 2 * lane + j)
-            plgpu.store(ref.at[row[:, None], col], x.astype(ref.dtype), mask=mask)
+            plgpu.store(ref.at[row[:, None], cols], x.astype(ref.dtype), mask=mask)
 
     # Local rows 0 .. c * group - 1 are this program's q heads, the next c its k heads (both rotated);
     # then its c v heads (as they are). Every load is issued before the first store.
@@ -148,15 +162,16 @@ def rope_write_kv(qkv: jax.Array, x: jax.Array, positions: jax.Array, inv_freq, 
     num_tokens, hidden = x.shape
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm are given together or not at all")
-    check_head_dim(cache.k.shape[-1])
+    check_head_dim(cache.head_dim)
     if kv_per_program is None:
         kv_per_program = 1 if num_tokens <= 16 else num_kv_heads
     if num_kv_heads % kv_per_program:
         raise ValueError(f"kv_per_program={kv_per_program} must divide num_kv_heads={num_kv_heads}")
-    nl, num_pages, page_size, _, head_dim = cache.k.shape
+    nl, num_pages, page_size = cache.k.shape[:3]
+    head_dim = cache.head_dim
     num_slots = num_pages * page_size
     half = head_dim // 2
-    flat = (nl * num_slots * num_kv_heads * 2, half)  # free reshapes: (row, half) addressing
+    flat = (nl * num_slots * num_kv_heads * 2, cache.k.shape[-1] // 2)  # free reshapes: (row, half) addressing
     if flat[0] >= 2 ** 31:
         raise ValueError(f"KV cache of {flat[0]} half-head rows overflows the kernel's int32 row index")
     extras = [] if qkv_bias is None else [qkv_bias.reshape(-1, half)]
