@@ -22,6 +22,11 @@ Workloads (``--workload``):
     python scripts/benchmark.py                                   # offline, embedded model, CPU
     python scripts/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
     python scripts/benchmark.py --workload cpu --out docs/results/cpu-smollm2.json
+    python scripts/benchmark.py --model llama3-8b --load_format dummy --workload throughput --compare none,fp8:fp8
+
+``--compare`` runs the workloads once per weight / KV format, each in a process of its own (a fresh
+device: one engine's memory never crowds the next's), and prints each format's headline figure over
+the first's: the quantization issue's pairs, bf16 re-measured in the same run.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator mem
                    "docs/benchmarks.md's issue-25 section is fixed).")
 flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps one dispatch runs for a batch of decodes (the "
                      "engine option; default: the engine's, 4 on CPU and 1 elsewhere).")
+flags.DEFINE_list("compare", [], "Formats to run the workloads under (latency, throughput, decode, offline), "
+                  "QUANT or QUANT:KV (--quantization and --kv_cache_dtype values), each in its own process, "
+                  "the first the baseline of the ratios printed: e.g. none,int8,int4 or none,fp8:fp8.")
 flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
 F = flags.FLAGS
 
@@ -602,11 +610,73 @@ def cpu(results):
     results["cpu"] = out
 
 
+# ------------------------------------------------------------------------------------ formats compared
+
+HEADLINE = {"latency": "tok_s", "throughput": "output_tok_s", "decode": "output_tok_s",
+            "offline": "continuous_output_tok_s"}  # the figure --compare sets side by side
+
+
+def compare_formats() -> list[tuple[str, str]]:
+    """``--compare`` as (quantization, kv_cache_dtype) pairs, checked before anything runs."""
+    quants, kvs = F["quantization"].parser.enum_values, F["kv_cache_dtype"].parser.enum_values
+    formats = []
+    for item in F.compare:
+        q, _, kv = item.partition(":")
+        kv = kv or "auto"
+        if q not in quants or kv not in kvs:
+            raise app.UsageError(f"--compare: {item!r} is not QUANT or QUANT:KV with QUANT one of "
+                                 f"{', '.join(quants)} and KV one of {', '.join(kvs)}")
+        formats.append((q, kv))
+    if len(formats) < 2:
+        raise app.UsageError("--compare needs two formats or more (the first is the baseline)")
+    other = [w for w in F.workload if w not in HEADLINE]
+    if other:
+        raise app.UsageError(f"--compare runs the workloads {', '.join(HEADLINE)}; not {', '.join(other)}")
+    return formats
+
+
+def compare(formats):
+    """This script's run once per format, in processes of its own with the same flags otherwise; a
+    failed one is recorded and the rest still run (the exit status says so)."""
+    results = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), model=F.model, compare=[])
+    with tempfile.TemporaryDirectory() as d:
+        for i, (q, kv) in enumerate(formats):
+            out = os.path.join(d, f"{i}.json")
+            log.warning("compare: quantization %s, kv_cache_dtype %s (%d of %d)", q, kv, i + 1, len(formats))
+            rc = subprocess.run([sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"--quantization={q}",
+                                 f"--kv_cache_dtype={kv}", f"--out={out}", "--compare="]).returncode
+            run = json.load(open(out)) if os.path.exists(out) else {}
+            run.update(format=f"{q}:{kv}", **({"error": f"exit status {rc}"} if rc else {}))
+            results["compare"].append(run)
+    base = results["compare"][0]
+    for run in results["compare"]:
+        run["vs_first"] = {w: run[w][HEADLINE[w]] / base[w][HEADLINE[w]] for w in F.workload
+                           if w in run and w in base}
+    os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
+    with open(F.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\n{'format':<16} {'workload':<12} {'metric':<24} {'value':>12} {'vs ' + base['format']:>16}")
+    for run in results["compare"]:
+        for w in F.workload:
+            if w in run:
+                ratio = run["vs_first"].get(w)
+                print(f"{run['format']:<16} {w:<12} {HEADLINE[w]:<24} {run[w][HEADLINE[w]]:>12.4g} "
+                      f"{'' if ratio is None else f'{ratio:.3f}x':>16}")
+            else:
+                print(f"{run['format']:<16} {w:<12} {run.get('error', 'did not run'):<24}")
+    print(f"(device: {base.get('device', '?')}; json: {F.out})")
+    failed = [r["format"] for r in results["compare"] if "error" in r]
+    if failed:
+        sys.exit(f"--compare: {', '.join(failed)} failed")
+
+
 # ------------------------------------------------------------------------------------ main
 
 def main(argv):
     del argv
     logging.basicConfig(level=logging.WARNING)
+    if F.compare:
+        return compare(compare_formats())
     results = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), model=F.model,
                    load_format=F.load_format, quantization=F.quantization, kv_cache_dtype=F.kv_cache_dtype)
     if "hf" in F.workload:  # before JAX takes the GPU memory

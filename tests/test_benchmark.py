@@ -1,0 +1,42 @@
+"""scripts/benchmark.py --compare: each format runs in its own process with the flags it names, and
+the ratios printed are of those runs' own figures."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(*args, timeout=300):
+    return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_compare_runs_each_format_and_sets_its_figure_against_the_first(tmp_path):
+    out = tmp_path / "cmp.json"
+    proc = bench("--model=tiny-gqa8", "--load_format=dummy", "--workload=decode", "--compare=none,int8:int8",
+                 f"--out={out}", "--compilation_cache_dir=")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["compare"]
+    assert [(r["format"], r["quantization"], r["kv_cache_dtype"]) for r in runs] == \
+        [("none:auto", "none", "auto"), ("int8:int8", "int8", "int8")]
+    base, q = (r["decode"]["output_tok_s"] for r in runs)
+    assert base > 0 and q > 0
+    assert runs[0]["vs_first"] == {"decode": 1.0}
+    assert runs[1]["vs_first"]["decode"] == q / base
+    assert runs[0]["decode"]["weight_bytes"] > runs[1]["decode"]["weight_bytes"]  # int8 really loaded
+    assert "int8:int8" in proc.stdout and f"{q / base:.3f}x" in proc.stdout
+
+
+def test_compare_rejects_bad_formats_and_workloads_before_running():
+    proc = bench("--compare=none,int3", timeout=60)
+    assert proc.returncode != 0
+    assert "'int3' is not QUANT or QUANT:KV" in proc.stderr and "int4-g64" in proc.stderr and "fp8" in proc.stderr
+    proc = bench("--compare=none,int8:bf16", timeout=60)
+    assert proc.returncode != 0 and "KV one of auto, int8, fp8" in proc.stderr
+    proc = bench("--compare=int8", timeout=60)
+    assert proc.returncode != 0 and "two formats or more" in proc.stderr
+    proc = bench("--compare=none,int8", "--workload=prefix", timeout=60)
+    assert proc.returncode != 0 and "not prefix" in proc.stderr
