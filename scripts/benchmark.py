@@ -71,8 +71,7 @@ flags.DEFINE_integer("cpu_decode_runs", 5, "cpu: batch-1 decode runs per engine 
                      "the engine's alternate with llama.cpp's (one run of llama.cpp moved 111-141 tok/s between "
                      "runs minutes apart).")
 flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache "
-                   "(the engine option; quantized weights on an H200 need 0.5 until the OOM noted in "
-                   "docs/benchmarks.md's issue-25 section is fixed).")
+                   "(the engine option).")
 flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps one dispatch runs for a batch of decodes (the "
                      "engine option; default: the engine's, 4 on CPU and 1 elsewhere).")
 flags.DEFINE_list("compare", [], "Formats to run the workloads under (latency, throughput, decode, offline), "
