@@ -58,9 +58,19 @@ def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in _QMAX
 
 
+def packed(stored) -> bool:
+    """Whether a stored cache array (or a kernel's ref to one) holds fp8 codes as uint32 words."""
+    return stored.dtype == jnp.uint32
+
+
+def head_dim_of(stored) -> int:
+    """The head_dim of a stored cache array (or a kernel's ref to one): 4 codes a word when packed."""
+    return stored.shape[-1] * (4 if packed(stored) else 1)
+
+
 def code_dtype(stored) -> jnp.dtype:
     """The code dtype a stored cache array holds: float8_e4m3fn for uint32 words, else its own."""
-    return jnp.dtype(jnp.float8_e4m3fn) if stored.dtype == jnp.uint32 else jnp.dtype(stored.dtype)
+    return jnp.dtype(jnp.float8_e4m3fn) if packed(stored) else jnp.dtype(stored.dtype)
 
 
 def pack_codes(codes: jax.Array) -> jax.Array:
@@ -73,7 +83,7 @@ def pack_codes(codes: jax.Array) -> jax.Array:
 
 def unpack_codes(stored: jax.Array) -> jax.Array:
     """``pack_codes`` undone: the codes of a stored cache array (or a gathered part of one)."""
-    if stored.dtype != jnp.uint32:
+    if not packed(stored):
         return stored
     codes = jax.lax.bitcast_convert_type(stored, jnp.float8_e4m3fn)  # [..., D / 4, 4]
     return codes.reshape(*stored.shape[:-1], 4 * stored.shape[-1])
@@ -119,7 +129,7 @@ class KVCache:
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[-1] * (4 if self.k.dtype == jnp.uint32 else 1)
+        return head_dim_of(self.k)
 
     @property
     def quantized(self) -> bool:

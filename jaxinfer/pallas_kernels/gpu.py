@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, code_dtype, quantize_rows
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, code_dtype, head_dim_of, packed, quantize_rows
 from jaxinfer.pallas_kernels import rope_kv
 from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2, query_blocks
 
@@ -137,8 +137,8 @@ def _attend_pages(q, row_pos, k_ref, v_ref, layer, kv_head, pt_ref, seq, blk_lo,
     """
     quantized = isinstance(k_ref, tuple)
     (k_ref, ks_ref), (v_ref, vs_ref) = (k_ref, v_ref) if quantized else ((k_ref, None), (v_ref, None))
-    words = k_ref.dtype == jnp.uint32  # fp8 codes, 4 a word (kv_cache.pack_codes)
-    rows, head_dim = row_pos.shape[0], k_ref.shape[-1] * (4 if words else 1)
+    words = packed(k_ref)  # fp8 codes, 4 a word (kv_cache.pack_codes)
+    rows, head_dim = row_pos.shape[0], head_dim_of(k_ref)
     # fp8 words: the dots run in float16 (float32 for float32 queries, the exact tests: precision HIGHEST),
     # q prescaled by 2**-qexp so that float16 holds it (|q| up to 2**24; scores scaled back).
     wdt = jnp.float32 if precision is not None else jnp.float16
@@ -444,7 +444,7 @@ def _rope_decode_kernel(lw_refs, pt_ref, lens_ref, qs_ref, slot_ref, freq_ref, x
 
     @pl.when(live & (split == 0) & (slot < k_ref.shape[1]))
     def _():
-        pack = rope_kv.pack_fp8_words if k_ref.dtype == jnp.uint32 else (lambda c: c)
+        pack = rope_kv.pack_fp8_words if packed(k_ref) else (lambda c: c)
         plgpu.store(k_ref.at[lw_refs[0][0], slot, h, :], pack(k_new)[0])
         plgpu.store(v_ref.at[lw_refs[0][0], slot, h, :], pack(v_new)[0])
         if quantized:
@@ -584,8 +584,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs, pages_per_seq = md.page_table.shape
-    words = k_cache.dtype == jnp.uint32  # fp8 codes stored 4 a word (kv_cache.pack_codes)
-    itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(code_dtype(k_cache)).itemsize)
+    words = packed(k_cache)  # fp8 codes stored 4 a word (kv_cache.pack_codes)
+    itemsize = max(jnp.dtype(q.dtype).itemsize, code_dtype(k_cache).itemsize)
     dec_rows = max(16, next_pow2(group))  # tl.dot wants >= 16 rows
     max_q_dec = dec_rows // group
     big = head_dim > 128
@@ -685,7 +685,7 @@ def rope_decode_attention(qkv: jax.Array, x: jax.Array, positions: jax.Array, in
     group = num_heads // num_kv_heads
     num_seqs = md.page_table.shape[0]
     rows = max(16, next_pow2(group))
-    itemsize = max(jnp.dtype(qkv.dtype).itemsize, jnp.dtype(code_dtype(cache.k)).itemsize)
+    itemsize = max(jnp.dtype(qkv.dtype).itemsize, code_dtype(cache.k).itemsize)
     block_k, decode_stages, num_splits, blocks_per_split = _decode_plan(
         md, page_size, num_kv_heads, num_splits, decode_block_k, decode_stages, sliding_window, rows=rows,
         head_dim=head_dim, itemsize=itemsize)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.paged.kv_cache import KVCache, code_dtype, quantize_rows
+from jaxinfer.paged.kv_cache import KVCache, code_dtype, packed, quantize_rows
 from jaxinfer.pallas_kernels._blocks import next_pow2
 
 
@@ -114,7 +114,7 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, *ref
             codes = [quantize_rows(x, amax, code_dtype(ref)) for x in halves]
             halves = [c for c, _ in codes]
             plgpu.store(scale_ref.at[jnp.where(valid, head, scale_ref.shape[0] + lane)], codes[0][1], mask=valid)
-            if ref.dtype == jnp.uint32:
+            if packed(ref):
                 halves = [pack_fp8_words(x) for x in halves]
         width = ref.shape[1]  # half a head: D / 2 elements, or D / 8 words of fp8 codes
         mask = jnp.broadcast_to(valid[:, None], (head.shape[0], width))
