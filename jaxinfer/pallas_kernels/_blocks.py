@@ -28,6 +28,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def words_of_bytes(b: jax.Array) -> jax.Array:
+    """Bytes ``[..., 4]`` (uint8) as the little-endian uint32 words ``[...]`` they make, in a kernel:
+    Triton cannot bitcast across element widths, so the bytes are summed at their shifts (where
+    they came from one load, LLVM folds this back into the loaded registers)."""
+    b = b.astype(jnp.uint32)
+    return jnp.sum(b << (8 * jax.lax.broadcasted_iota(jnp.uint32, b.shape, b.ndim - 1)), axis=-1)
+
+
 @dataclasses.dataclass
 class QueryBlocks:
     seq: jax.Array  # int32 [NB]: the block's sequence

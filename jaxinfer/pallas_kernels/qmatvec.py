@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2
+from jaxinfer.pallas_kernels._blocks import cdiv, next_pow2, words_of_bytes
 
 _MAGIC = 0x4B000000  # the bits of float32 2^23: ORing an integer below 2^23 into it gives 2^23 + q
 _CHUNK = 16  # bytes of a row's codes one thread reduces in registers (one 16-byte load)
@@ -130,7 +130,6 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         # rows past the end re-read the last one; their store is masked
         rows = jnp.minimum(r, num_rows - 1)[:, None, None]
     word = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _WORDS), 2)
-    byte = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, 4), 3)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, 1, _CHUNK), 2)
     shape = (block_rows, block_chunks, _WORDS)
 
@@ -150,8 +149,7 @@ def _kernel(magic_ref, *refs, tokens, has_offsets, per_row, bits, zero, signed, 
         b = plgpu.load(codes_ref.at[rows, kc, col])
         if b.dtype != jnp.uint8:
             b = jax.lax.bitcast_convert_type(b, jnp.uint8)
-        b = b.reshape(block_rows, block_chunks, _WORDS, 4).astype(jnp.uint32)
-        c = jnp.sum(b << (8 * byte).astype(jnp.uint32), axis=3)
+        c = words_of_bytes(b.reshape(block_rows, block_chunks, _WORDS, 4))
         if per_row:
             return (c,)
         g = kc // chunks_per_group  # a chunk lies in one group

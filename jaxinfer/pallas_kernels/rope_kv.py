@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.paged.kv_cache import KVCache, code_dtype, packed, quantize_rows
-from jaxinfer.pallas_kernels._blocks import next_pow2
+from jaxinfer.pallas_kernels._blocks import next_pow2, words_of_bytes
 
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -46,11 +46,9 @@ def check_head_dim(head_dim: int) -> None:
 
 def pack_fp8_words(codes: jax.Array) -> jax.Array:
     """fp8 codes ``[n, D]`` as the cache stores them (``kv_cache.pack_codes``), in a kernel: uint32
-    words ``[n, D / 4]``, byte ``j`` of word ``c`` being code ``4c + j`` (Triton cannot bitcast across
-    widths; the four bytes are summed at their shifts)."""
-    b = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32)
-    b = b.reshape(codes.shape[0], codes.shape[1] // 4, 4)
-    return jnp.sum(b << (8 * jax.lax.broadcasted_iota(jnp.uint32, b.shape, 2)), axis=2)
+    words ``[n, D / 4]``, byte ``j`` of word ``c`` being code ``4c + j``."""
+    b = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    return words_of_bytes(b.reshape(codes.shape[0], codes.shape[1] // 4, 4))
 
 
 def head_norm(halves, w_halves, eps: float):
