@@ -644,16 +644,17 @@ def compare(formats):
             log.warning("compare: quantization %s, kv_cache_dtype %s (%d of %d)", q, kv, i + 1, len(formats))
             rc = subprocess.run([sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"--quantization={q}",
                                  f"--kv_cache_dtype={kv}", f"--out={out}", "--compare="]).returncode
-            run = json.load(open(out)) if os.path.exists(out) else {}
+            run = {}
+            if os.path.exists(out):  # a failed run's figures as far as it got (it saves after each workload)
+                with open(out) as f:
+                    run = json.load(f)
             run.update(format=f"{q}:{kv}", **({"error": f"exit status {rc}"} if rc else {}))
             results["compare"].append(run)
     base = results["compare"][0]
     for run in results["compare"]:
         run["vs_first"] = {w: run[w][HEADLINE[w]] / base[w][HEADLINE[w]] for w in F.workload
                            if w in run and w in base}
-    os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
-    with open(F.out, "w") as f:
-        json.dump(results, f, indent=2)
+    save(results)
     print(f"\n{'format':<16} {'workload':<12} {'metric':<24} {'value':>12} {'vs ' + base['format']:>16}")
     for run in results["compare"]:
         for w in F.workload:
