@@ -403,12 +403,11 @@ def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
     def attention(*args, **kw):
         return _per_device(mesh, ops.attention, ("q", "k_cache", "v_cache", "layer", "md"), out_heads, args, kw)
 
-    decode_attention = None
-    if ops.decode_attention is not None:
-        def decode_attention(*args, num_heads, **kw):
-            names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "md")
-            return _per_device(mesh, functools.partial(ops.decode_attention, num_heads=h_local), names,
-                               (out_heads, _cache_out(names, args, kw)), args, kw)
+    def fused_decode(*args, num_heads, **kw):
+        names = ("qkv", "x", "positions", "inv_freq", "cache", "layer", "md")
+        return _per_device(mesh, functools.partial(ops.decode_attention, num_heads=h_local), names,
+                           (out_heads, _cache_out(names, args, kw)), args, kw)
+    decode_attention = fused_decode if ops.decode_attention is not None else None
 
     def mlp(x, w_gate_up, w_down, r, act):
         def local(x, w_gate_up, w_down, r):
