@@ -26,7 +26,8 @@ Workloads (``--workload``):
 
 ``--compare`` runs the workloads once per weight / KV format, each in a process of its own (a fresh
 device: one engine's memory never crowds the next's), and prints each format's headline figure over
-the first's: the quantization issue's pairs, bf16 re-measured in the same run.
+the first's: the quantization issue's pairs, bf16 re-measured in the same run. Beside it, the host's
+share of the wall time (``host_share``): near 1, the machine's CPU sets the pace, not the format.
 """
 
 from __future__ import annotations
@@ -634,6 +635,17 @@ def compare_formats() -> list[tuple[str, str]]:
     return formats
 
 
+def host_share(figures: dict) -> float | None:
+    """The engine's host time (scheduling, dispatch, reading tokens) over the run's wall time, where
+    the workload reports both. The host overlaps the device's step, so near 1 the host sets the pace
+    and a ratio between formats measures the machine's CPU, not the engine: one H100 ran the fp8 pair
+    at 1.055x with its fp8 run's host at 0.75 of the wall, another at 1.449x with 0.27
+    (docs/benchmarks.md, issue 25)."""
+    if not all(k in figures for k in ("host_ms_per_step", "steps", "wall_s")) or not figures["wall_s"]:
+        return None
+    return figures["host_ms_per_step"] * 1e-3 * figures["steps"] / figures["wall_s"]
+
+
 def compare(formats):
     """This script's run once per format, in processes of its own with the same flags otherwise; a
     failed one is recorded and the rest still run (the exit status says so)."""
@@ -655,13 +667,14 @@ def compare(formats):
         run["vs_first"] = {w: run[w][HEADLINE[w]] / base[w][HEADLINE[w]] for w in F.workload
                            if w in run and w in base}
     save(results)
-    print(f"\n{'format':<16} {'workload':<12} {'metric':<24} {'value':>12} {'vs ' + base['format']:>16}")
+    print(f"\n{'format':<16} {'workload':<12} {'metric':<24} {'value':>12} {'vs ' + base['format']:>16} "
+          f"{'host share':>11}")
     for run in results["compare"]:
         for w in F.workload:
             if w in run:
-                ratio = run["vs_first"].get(w)
+                ratio, share = run["vs_first"].get(w), host_share(run[w])
                 print(f"{run['format']:<16} {w:<12} {HEADLINE[w]:<24} {run[w][HEADLINE[w]]:>12.4g} "
-                      f"{'' if ratio is None else f'{ratio:.3f}x':>16}")
+                      f"{'' if ratio is None else f'{ratio:.3f}x':>16} {'' if share is None else f'{share:.2f}':>11}")
             else:
                 print(f"{run['format']:<16} {w:<12} {run.get('error', 'did not run'):<24}")
     print(f"(device: {base.get('device', '?')}; json: {F.out})")

@@ -40,3 +40,16 @@ def test_compare_rejects_bad_formats_and_workloads_before_running():
     assert proc.returncode != 0 and "two formats or more" in proc.stderr
     proc = bench("--compare=none,int8", "--workload=prefix", timeout=60)
     assert proc.returncode != 0 and "not prefix" in proc.stderr
+
+
+def test_host_share_is_the_hosts_time_over_the_wall(monkeypatch):
+    """The compare table's host share, from a run's own figures (the two H100 fp8 runs of
+    docs/benchmarks.md: the first machine's host set the pace); blank where a workload has no host
+    time."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    import benchmark
+
+    slow = dict(host_ms_per_step=17.86, steps=1093, wall_s=25.93)
+    fast = dict(host_ms_per_step=4.741, steps=1093, wall_s=19.31)
+    assert abs(benchmark.host_share(slow) - 0.753) < 1e-3 and abs(benchmark.host_share(fast) - 0.268) < 1e-3
+    assert benchmark.host_share(dict(output_tok_s=1.0)) is None
