@@ -116,7 +116,7 @@ def _rope_kv_kernel(layer_ref, pos_ref, slot_ref, freq_ref, x_ref, qkv_ref, *ref
                 halves = [pack_fp8_words(x) for x in halves]
         width = ref.shape[1]  # half a head: D / 2 elements, or D / 8 words of fp8 codes
         mask = jnp.broadcast_to(valid[:, None], (head.shape[0], width))
-        cols = col if width == half else jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
         for j, x in enumerate(halves):
             row = jnp.where(valid, 2 * head + j, ref.shape[0] + 2 * lane + j)
             plgpu.store(ref.at[row[:, None], cols], x.astype(ref.dtype), mask=mask)
