@@ -1,4 +1,10 @@
-"""Per-request sampling parameters, validated at the boundary so bad values never reach JAX."""
+"""Per-request sampling parameters, validated at the boundary so bad values never reach JAX.
+
+The bounds below are the only copy of each limit: ``SamplingParams`` and ``StructuredOutputs`` check
+them, the server's request models state them in ``/openapi.json``, and the engine's step and the
+constraint compiler are built to run anything within them, so a request the boundary accepts never
+fails inside a step for its values.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,23 @@ import dataclasses
 import json
 import math
 from typing import Sequence
+
+MAX_TOP_K = 2**31 - 1  # top_k travels to the step as int32; any value >= the vocabulary keeps every token
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit); the step computes this many
+MAX_N = 64  # choices per request
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # a stop string's length is held back from a stream until it cannot start one
+MAX_STOP_TOKEN_IDS = 256
+# llguidance refuses a grammar row of more than 2000 items when the step consumes a token, not when it
+# compiles, so a longer choice list would fail inside a step; a choice adds one item to its row.
+MAX_CHOICES = 1024
+# Counted repetitions multiply inside llguidance's lexer: ``(a{1000}){1000}`` (10^6) took 12 s for its
+# first token mask and then failed the step ("too many expressions constructed"), while ``a{50000}``
+# took 0.1 s. A regex (or a schema's ``pattern``) is refused above this expanded size (``regex_size``).
+MAX_REGEX_SIZE = 100_000
+MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +54,10 @@ class StructuredOutputs:
                 raise TypeError(f"structured choice must be a list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"structured choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+                raise ValueError(f"structured choice must be a non-empty list of non-empty strings, got "
+                                 f"{_short(self.choice)}")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured choice has {len(self.choice)} items; at most {MAX_CHOICES} are allowed")
         if self.json is not None:
             if isinstance(self.json, str):
                 try:
@@ -42,10 +68,14 @@ class StructuredOutputs:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
                 raise TypeError(f"structured json must be a JSON schema (an object), got {type(schema).__name__}")
+            for pattern in _schema_patterns(schema):
+                _check_regex_size("json pattern", pattern)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured {name} must be a non-empty string, got {value!r}")
+                raise ValueError(f"structured {name} must be a non-empty string, got {_short(value)}")
+            if value is not None:
+                _check_regex_size(name, value)
         if not isinstance(self.json_object, bool):
             raise TypeError(f"structured json_object must be a bool, got {self.json_object!r}")
         kinds = self.kinds
@@ -103,21 +133,27 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         _check_int("max_tokens", self.max_tokens, low=1)
-        _check_number("temperature", self.temperature, low=0.0, high=100.0)
+        _check_number("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_int("top_k", self.top_k, low=-1)
+        _check_int("top_k", self.top_k, low=-1, high=MAX_TOP_K)
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
-        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("presence_penalty", self.presence_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=20)
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, "
+                                 f"got {_short(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             "are allowed")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0)
+            _check_int("stop_token_ids", t, low=0, high=MAX_TOP_K)
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise TypeError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
 
@@ -126,9 +162,84 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message never echoes a huge input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def regex_size(pattern: str) -> int:
+    """The length ``pattern`` expands to with each counted repetition ``{m}``/``{m,n}``/``{m,}`` written
+    out (``a{3}`` -> 3, ``(ab){2}c`` -> 5, ``(a{10}){10}`` -> 100; ``*``, ``+`` and ``?`` count once): what
+    grows a grammar engine's lexer. Escapes and character classes are one atom; text that is not a
+    regex (a grammar's rules) is scanned the same way, which only finds its counted repetitions.
+    Alternatives add up, as their lexer states do."""
+    stack = [[0, 0]]  # per open group: [size so far, size of the last atom]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            atom, i = 1, i + 2
+        elif c == "[":
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            atom, i = 1, j + 1
+        elif c == "(":
+            stack.append([0, 0])
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            atom, i = stack.pop()[0], i + 1
+        elif c == "|":  # alternatives add up, as their states do
+            stack[-1][1] = 0
+            i += 1
+            continue
+        elif c == "{" and (end := pattern.find("}", i)) > i:
+            bounds = pattern[i + 1:end].split(",")
+            if all(b.strip().isdigit() or (k == 1 and not b.strip()) for k, b in enumerate(bounds)) and len(bounds) <= 2:
+                count = max(int(b) for b in bounds if b.strip())
+                frame = stack[-1]
+                frame[0] += frame[1] * (count - 1)
+                frame[1] *= count
+                i = end + 1
+                continue
+            atom, i = 1, i + 1
+        else:
+            atom, i = 1, i + 1
+        stack[-1][0] += atom
+        stack[-1][1] = atom
+    while len(stack) > 1:  # unbalanced: count what was opened
+        size = stack.pop()[0]
+        stack[-1][0] += size
+    return stack[0][0]
+
+
+def _check_regex_size(name: str, pattern: str) -> None:
+    size = regex_size(pattern)
+    if size > MAX_REGEX_SIZE:
+        raise ValueError(f"structured {name} is too complex: its counted repetitions expand to {size:,} characters; "
+                         f"at most {MAX_REGEX_SIZE:,} are allowed")
+
+
+def _schema_patterns(node):
+    """Every regex a JSON schema carries: ``pattern`` values and ``patternProperties`` keys."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _schema_patterns(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from (k for k in value if isinstance(k, str))
+            yield from _schema_patterns(value)
+
+
 def _check_int(name: str, value, *, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {_short(value)}")
     if value < low or (high is not None and value > high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {rng}, got {value}")
@@ -136,7 +247,7 @@ def _check_int(name: str, value, *, low: int, high: int | None = None) -> None:
 
 def _check_number(name: str, value, *, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
     bad_low = value <= low if low_open else value < low
     if not math.isfinite(value) or bad_low or value > high:
         rng = f"({low}, {high}]" if low_open else f"[{low}, {high}]"

@@ -7,6 +7,7 @@ import dataclasses
 from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
 from jaxinfer.paged.kv_cache import KV_CACHE_DTYPES
 from jaxinfer.pallas_kernels import BACKENDS
+from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.user_cache import user_cache_dir
 
 _CHOICES = {
@@ -102,7 +103,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
     compilation_cache_dir: str | None = None
     max_executables: int = 256
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     tensor_parallel: int = 1
     data_parallel: int = 1
     speculative_method: str | None = None
@@ -125,6 +126,9 @@ class EngineConfig:
         for name in ("num_pages", "prefill_chunk_size", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
+                not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.max_logprobs!r}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_num_batched_tokens < self.max_num_seqs:

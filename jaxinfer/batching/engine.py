@@ -55,6 +55,7 @@ class RequestOutput:
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (``finish_reason == "error"``); it failed alone
 
 
 @dataclasses.dataclass
@@ -273,6 +274,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {self.config.max_logprobs}] (the engine's max_logprobs), "
+                             f"got {params.logprobs}")
         ids = self.encode(prompt)
         if params.structured is not None:
             if multihost.active():
@@ -360,6 +364,12 @@ class LLMEngine:
             if filling is None:
                 fill()
             filling.result()
+            for i in sampled:  # rows whose matcher failed to compute a mask: those requests fail alone
+                seq = batch.seqs[i]
+                error = seq.status is not Status.FINISHED and self._matchers.errors([seq.request_id])
+                if error:
+                    sample.bitmask[i] = -1
+                    outputs.append(self._fail(seq, error[seq.request_id]))
             self._inflight = (batch, sample(), sampled)
             host += time.perf_counter() - t0
         else:
@@ -506,21 +516,23 @@ class LLMEngine:
         tokens = np.asarray(result.tokens)
         t0 = time.perf_counter()
         logprobs, top_ids, top_lps = self._host_logprobs(batch, result, sampled)
+        several = tokens.ndim == 2  # several decode steps: [S, steps] (never with a constrained request)
+        new = {i: tokens[i].tolist() if several else [int(tokens[i])] for i in sampled
+               if batch.seqs[i].status is not Status.FINISHED}  # else finished or aborted since dispatch
         # Constrained requests' matchers take their tokens; "complete": nothing but EOS may follow.
-        complete = set() if not self._matchers else self._matchers.advance(
-            [(batch.seqs[i].request_id, int(tokens[i])) for i in sampled if batch.seqs[i].status is not Status.FINISHED])
+        complete, failed = self._matchers.advance(
+            [(batch.seqs[i].request_id, ids) for i, ids in new.items()]) if self._matchers else (set(), {})
         if advanced is not None:
             advanced()
         outputs = []
-        for i in sampled:
+        for i, ids in new.items():
             seq = batch.seqs[i]
-            if seq.status is Status.FINISHED:
-                continue  # finished or aborted after this step was dispatched
-            several = tokens.ndim == 2  # several decode steps: [S, steps]
-            new = tokens[i].tolist() if several else [int(tokens[i])]
-            self._take(seq, len(new))
-            tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i] if several else np.s_[i:i + 1])
-            outputs.append(self._append_tokens(seq, new, tops, seq.request_id in complete))
+            self._take(seq, len(ids))
+            if seq.request_id in failed:
+                outputs.append(self._fail(seq, failed[seq.request_id]))
+                continue
+            tops = self._tops(seq, ids, logprobs, top_ids, top_lps, np.s_[i] if several else np.s_[i:i + 1])
+            outputs.append(self._output(seq, ids, tops, seq.request_id in complete))
         self.counters["host_time"] += time.perf_counter() - t0
         return outputs
 
@@ -553,7 +565,7 @@ class LLMEngine:
                 self._take(seq, proposed + 1)
             new = tokens[i, :a + 1].tolist()
             tops = self._tops(seq, new, logprobs, top_ids, top_lps, np.s_[i, :a + 1])
-            outputs.append(self._append_tokens(seq, new, tops))
+            outputs.append(self._output(seq, new, tops))
             if seq.status is Status.RUNNING:
                 keep = self.blocks.pages_needed(seq.num_tokens)
                 self.blocks.free_pages(seq.page_table[keep:])
@@ -584,6 +596,15 @@ class LLMEngine:
             for top, ids, lps in zip(tops, top_ids[rows], top_lps[rows]):
                 top.update(zip(ids[:n].tolist(), lps[:n].tolist()))
         return tops
+
+    def _output(self, seq: Sequence, tokens: list[int], tops: list, complete: bool = False) -> RequestOutput:
+        """``_append_tokens``, or the request failed alone where turning its tokens into output raised
+        (a detokenizer or stop-string bug must not fail the step of every request beside it)."""
+        try:
+            return self._append_tokens(seq, tokens, tops, complete)
+        except Exception:  # noqa: BLE001 - logged; the client gets the request's error, not the trace
+            log.exception("request %s: its output could not be processed", seq.request_id)
+            return self._fail(seq, "internal error while processing the request's output")
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], tops: list, complete: bool = False) -> RequestOutput:
         """Append a step's new tokens (one, or several from a verifying step) up to the first that ends
@@ -617,11 +638,7 @@ class LLMEngine:
         if finished and tr.detok is not None and not stop_cut:
             tr.text += tr.detok.flush()  # a character cut off by the end of generation
         if finished:
-            self.requests.pop(seq.request_id, None)
-            self._trackers.pop(seq.request_id, None)
-            if self._matchers is not None:
-                self._matchers.remove(seq.request_id)
-            self.scheduler.remove(seq)
+            self._finish(seq)
         # Hold back a tail that may still turn out to start a stop string.
         hold = 0 if finished or not p.stop else max(len(s) for s in p.stop) - 1
         visible = max(tr.emitted, len(tr.text) - hold)
@@ -632,6 +649,28 @@ class LLMEngine:
                              seq.finish_reason, delta, new_ids,
                              list(seq.output_top_logprobs) if p.logprobs is not None else None,
                              seq.num_cached_tokens)
+
+    def _finish(self, seq: Sequence) -> None:
+        """Forget a finished request: its tracker, its matcher, its pages (at once)."""
+        self.requests.pop(seq.request_id, None)
+        self._trackers.pop(seq.request_id, None)
+        if self._matchers is not None:
+            self._matchers.remove(seq.request_id)
+        self.scheduler.remove(seq)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Finish one request with ``finish_reason="error"`` (its constraint failed, its output could not
+        be processed); the requests beside it go on. Its text so far is kept."""
+        log.warning("request %s failed: %s", seq.request_id, error)
+        seq.finish_reason = "error"
+        tr = self._trackers.get(seq.request_id)
+        self._finish(seq)
+        text = tr.text if tr is not None else ""
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, text, list(seq.output_token_ids), True, "error",
+                             text[tr.emitted:] if tr is not None else "",
+                             seq.output_token_ids[tr.emitted_tokens:] if tr is not None else [],
+                             list(seq.output_top_logprobs) if seq.params.logprobs is not None else None,
+                             seq.num_cached_tokens, error)
 
     @staticmethod
     def _find_stop(tr: _Tracker, stops: tuple[str, ...]) -> bool:

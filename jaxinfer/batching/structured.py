@@ -98,10 +98,16 @@ class ConstraintCompiler:
         except ValueError as e:
             raise ValueError(f"invalid structured {kind}: {e}") from None
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        what = {"json": "JSON schema (invalid or unsupported)", "json_object": "JSON object constraint"}.get(
+            kind, kind)
         if template.is_error():
-            what = {"json": "JSON schema (invalid or unsupported)", "json_object": "JSON object constraint"}.get(
-                kind, kind)
-            raise ValueError(f"invalid structured {what}: {template.get_error().strip()}")
+            raise ValueError(f"invalid structured {what}: {_first_line(template.get_error())}")
+        # Some constraints compile but fail at their first token mask: a schema that admits no document
+        # ({"$ref": "#"}, mutually recursive $defs) would otherwise be answered "" with reason "stop".
+        # The template keeps the mask it computed here, so copies of it start from it.
+        template.compute_bitmask()
+        if template.is_error():
+            raise ValueError(f"invalid structured {what}: it admits no output ({_first_line(template.get_error())})")
         with self._lock:
             self.misses += 1
             self.compile_seconds.append(time.perf_counter() - t0)
@@ -113,6 +119,11 @@ class ConstraintCompiler:
     def matcher(self, structured: StructuredOutputs):
         """A fresh matcher for one sequence."""
         return self.compile(structured).deep_copy()
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it dumps after the first line."""
+    return error.strip().split("\n", 1)[0][:300]
 
 
 # JSON as ``json.dumps`` writes it: llguidance's default, any whitespace between tokens, let greedy
@@ -180,20 +191,31 @@ class Matchers:
     def __len__(self) -> int:
         return len(self._by_request)
 
-    def advance(self, tokens: list[tuple[str, int]]) -> set[str]:
-        """Consume each ``(request id, sampled token)`` of a constrained request (others are skipped),
-        in parallel; returns the requests whose constraint is now complete (nothing but EOS may follow)."""
+    def advance(self, tokens: list[tuple[str, list[int]]]) -> tuple[set[str], dict[str, str]]:
+        """Consume each ``(request id, sampled tokens)`` of a constrained request (others are skipped),
+        in parallel. Returns the requests whose constraint is now complete (nothing but EOS may follow)
+        and, by request, the error of each whose matcher failed (a grammar that exceeds llguidance's
+        limits only when a token arrives, e.g. a row of more than 2000 items): those requests fail
+        alone, the step goes on for the rest."""
         import llguidance.numpy
 
-        pairs = [(self._by_request[rid], token, rid) for rid, token in tokens if rid in self._by_request]
+        pairs = [(self._by_request[rid], ids, rid) for rid, ids in tokens if rid in self._by_request]
         if not pairs:
-            return set()
-        ok = llguidance.numpy.consume_token_par(self._executor, [(m, t) for m, t, _ in pairs])
-        for (m, token, rid), good in zip(pairs, ok):
+            return set(), {}
+        ok = llguidance.numpy.consume_token_par(self._executor, [(m, ids[0]) for m, ids, _ in pairs])
+        failed = {}
+        for (m, ids, rid), good in zip(pairs, ok):
+            if good:
+                good = all(m.consume_token(t) for t in ids[1:])  # several decode steps: never constrained
             if not good:
-                raise RuntimeError(f"request {rid}: sampled token {token} violates its constraint "
-                                   f"(the bitmask should have excluded it): {m.get_error()}")
-        return {rid for m, _, rid in pairs if m.is_stopped()}
+                failed[rid] = (f"the sampled token {ids[0]} broke the request's constraint: "
+                               f"{_first_line(m.get_error())}")
+        return {rid for m, _, rid in pairs if rid not in failed and m.is_stopped()}, failed
+
+    def errors(self, request_ids) -> dict[str, str]:
+        """The error of each of these requests whose matcher failed (a mask it could not compute)."""
+        return {rid: f"the request's constraint failed: {_first_line(m.get_error())}" for rid in request_ids
+                if (m := self._by_request.get(rid)) is not None and m.is_error()}
 
     def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> concurrent.futures.Future:
         """Start writing the allowed tokens of each ``(row, request id)`` into ``bitmask [S, W]`` (int32,
