@@ -9,8 +9,8 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.engine import RequestOutput
-from jaxinfer.batching.replicas import create_engine
+from jaxinfer.batching.factory import create_engine
+from jaxinfer.batching.outputs import RequestOutput
 from jaxinfer.batching.structured import compile_constraint
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list
 from jaxinfer.tokenizer import apply_chat_template

@@ -161,35 +161,23 @@ def cpu_rows(llm, prompts, data, ngram, mode) -> dict:
 
 def verify_cost(results):
     """A plain decode step and a verify step of k proposals per sequence, each alone on device."""
+    from benchmark import probe_step
     from ceilings import timeit
-    from jaxinfer import SamplingParams
-    from jaxinfer.batching.scheduler import ScheduledBatch
-    from jaxinfer.batching.sequence import Sequence
     sizes = [int(b) for b in F.batch_sizes]
     llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
-    runner, blocks, vocab = llm.engine.runner, llm.engine.blocks, llm.engine.model_config.vocab_size
+    runner, vocab = llm.engine.runner, llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     out = {}
     for b in sizes:
-        seqs = []
-        for i in range(b):
-            seq = Sequence(f"probe{i}", rng.integers(10, vocab - 10, F.prompt_len).tolist(),
-                           SamplingParams(max_tokens=F.k + 1, temperature=0.0), seed=0)
-            seq.page_table, _ = blocks.allocate(seq.token_ids, F.prompt_len + F.k)
-            seq.num_computed_tokens = F.prompt_len - 1
-            seqs.append(seq)
+        prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
         times = {}
         for name, k in (("decode", 0), ("verify", F.k)):
-            for s in seqs:
-                s.draft_token_ids = rng.integers(10, vocab - 10, k).tolist()
-            args = runner.prepare(ScheduledBatch(seqs, [1 + k] * b), k)
+            step_out = probe_step(llm, prompts, [rng.integers(10, vocab - 10, k).tolist() for _ in range(b)] if k
+                                  else None)
 
             def step():
-                result, runner.cache, _ = runner.execute(*args)
-                return result.tokens
+                return runner.execute(step_out)[0].tokens
             times[name] = timeit(step)
-        for s in seqs:
-            blocks.free_pages(s.page_table)
         out[b] = dict(decode_ms=times["decode"] * 1e3, verify_ms=times["verify"] * 1e3,
                       verify_over_decode=times["verify"] / times["decode"])
     results["verify"] = dict(k=F.k, by_batch=out)

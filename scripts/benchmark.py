@@ -219,29 +219,36 @@ def latency(results, bw):
     gc.collect()
 
 
+def probe_step(llm, prompts, proposals=None):
+    """The scheduler's output for one step of ``prompts`` alone on an idle engine: each prompt's context
+    already in the cache (in pages of its own), its last token fed, then its ``proposals`` (a verifying
+    step) if given. The engine serves nothing meanwhile, so the pages it names hold whatever they hold."""
+    from jaxinfer import SamplingParams
+    from jaxinfer.batching.step_io import SchedulerOutput
+
+    ps, first, tables = llm.engine.resolved.page_size, 0, []
+    for p in prompts:
+        n = -(-(len(p) + len(proposals[0] if proposals else ())) // ps)
+        tables.append(list(range(first, first + n)))
+        first += n
+    assert first <= llm.engine.resolved.num_pages, "the probe's contexts do not fit the KV pool"
+    props = proposals or [[] for _ in prompts]
+    return SchedulerOutput(
+        request_ids=[f"probe{i}" for i in range(len(prompts))], num_tokens=[1 + len(q) for q in props],
+        starts=[len(p) - 1 for p in prompts], token_ids=[t for p, q in zip(prompts, props) for t in [p[-1], *q]],
+        page_tables=tables, params=[SamplingParams(max_tokens=1, temperature=0.0)] * len(prompts),
+        seeds=[0] * len(prompts), output_index=[0] * len(prompts), penalty_tokens={}, proposals=props,
+        num_speculative=len(props[0]))
+
+
 def decode_step(llm, prompts):
     """A callable running one decode step for ``prompts`` (one sequence each, context already in the
-    cache) on device alone, and a function that frees their pages afterwards."""
-    from jaxinfer.batching.scheduler import ScheduledBatch
-    from jaxinfer.batching.sequence import Sequence
-    from jaxinfer import SamplingParams
-    runner, blocks = llm.engine.runner, llm.engine.blocks
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        seq = Sequence(f"probe{i}", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), seed=0)
-        seq.page_table, _ = blocks.allocate(seq.token_ids)
-        seq.num_computed_tokens = len(prompt) - 1
-        seqs.append(seq)
-    tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, [1] * len(seqs)))
+    cache) on device alone (``probe_step``), and one to call afterwards (nothing to free)."""
+    runner, out = llm.engine.runner, probe_step(llm, prompts)
 
     def step():
-        result, runner.cache, _ = runner.execute(tokens, positions, md, sb, flags)
-        return result.tokens
-
-    def free():
-        for seq in seqs:
-            blocks.free_pages(seq.page_table)
-    return step, free
+        return runner.execute(out)[0].tokens
+    return step, lambda: None
 
 
 def profile_engine(llm, prompt, new_tokens: int) -> dict:
@@ -343,7 +350,7 @@ def throughput(results, flops):
     # pool holds, e.g. Mixtral's on one H200) at the run's mean context (512 prompt + 128), split by
     # kernel kind.
     ctx = 512 + 128
-    fit = min(seqs, llm.engine.blocks.num_free // -(-ctx // llm.engine.config.page_size))
+    fit = min(seqs, stats["kv_pages_total"] // -(-ctx // llm.engine.config.page_size))
     decode = profile_decode(llm, random_prompts(rng, fit, [ctx] * fit, mc.vocab_size))
     res.update({f"decode{fit}_{k}": v for k, v in decode.items()})
     del llm
@@ -457,26 +464,22 @@ def bucket_times(llm) -> list[dict]:
     (median of 5), each sequence at a context of at most 256 tokens (the CPU's smallest page bucket
     before it kept only the longest; the positions follow ``seq_lens``): no step shape should cost
     more per token than a larger one."""
+    import dataclasses
+
     import jax
-    from jaxinfer.batching.model_runner import _PENALTY_SLOTS
-    from jaxinfer.paged.kv_cache import BatchMetadata
-    from jaxinfer.sampling import SamplingBatch
     runner = llm.engine.runner
     rows = []
     for t, s, p in runner.buckets.all_shapes():
         if p != runner.buckets.pages[0]:
             continue
-        tokens = np.zeros(t, np.int32)
-        slots = np.full(t, runner.cache.num_pages * runner.cache.page_size, np.int32)
-        context = min(p * runner.cache.page_size, 256)
-        md = BatchMetadata(slots, np.zeros((s, p), np.int32), np.full(s, context, np.int32),
-                           np.minimum(np.arange(s + 1, dtype=np.int32) * (t // s), t), np.zeros(s, np.int32))
-        args = (tokens, tokens, md, SamplingBatch.greedy(s, _PENALTY_SLOTS),
-                runner.step_flags(greedy=True))
+        context = min(p * llm.engine.resolved.page_size, 256)
+        n = t // s  # tokens of each sequence, the last ones of its context
+        out = probe_step(llm, [[0] * context] * s)
+        out = dataclasses.replace(out, num_tokens=[n] * s, starts=[context - n] * s, token_ids=[0] * (n * s))
         times = []
         for _ in range(6):
             t0 = time.perf_counter()
-            result, runner.cache, _ = runner.execute(*args)
+            result, _ = runner.execute(out)
             jax.block_until_ready(result.tokens)
             times.append(time.perf_counter() - t0)
         ms = float(np.median(times[1:])) * 1e3

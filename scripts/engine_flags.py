@@ -4,7 +4,7 @@ module defines them (next to model_flags'); a script adopts them with ``flags.ad
 
 The defaults are sized for a small CPU: every step shape is compiled before the server is ready.
 Unset bucket flags leave the buckets to the engine, which picks them per backend (few, coarse ones
-on CPU; ``model_runner.default_buckets``).
+on CPU; ``batching.backend``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def main(argv):
                    **model_flags.load_options(), **model_flags.parallel_options())
     if model_flags.init_distributed():  # not process 0: run the steps it sends
         from jaxinfer.batching.config import EngineConfig
-        from jaxinfer.batching.multihost import follow
-        return follow(F.model, EngineConfig.from_options(**options))
+        from jaxinfer.batching.factory import run_follower
+        return run_follower(F.model, EngineConfig.from_options(**options))
     t0 = time.perf_counter()
     llm = LLM(F.model, **options)
     print(f"[loaded {F.model} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)

@@ -40,13 +40,13 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.batching.model_runner import Buckets, ModelRunner, pack_inputs
+    from jaxinfer.batching.config import EngineConfig
+    from jaxinfer.batching.inputs import pack_inputs
+    from jaxinfer.batching.model_runner import ModelRunner
+    from jaxinfer.batching.resolve import DeviceFacts, ModelFacts, resolve
     from jaxinfer.models import sharding
-    from jaxinfer.models.layers import Ops
     from jaxinfer.models.weights import load_config, resolve_model
-    from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
-    from jaxinfer.pallas_kernels import get_kernels
-    from jaxinfer.sampling import SamplingBatch
+    from jaxinfer.paged.kv_cache import KVCache
 
     config = load_config(resolve_model(F.model)).replace(layer_loop="scan")
     dtype = jnp.dtype(F.dtype)
@@ -56,12 +56,17 @@ def main(argv):
                 config.head_dim)
     kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding.cache_sharding(mesh).k)
     cache = KVCache(kv, kv)
-    ops = sharding.sharded_ops(Ops(**get_kernels("auto")), config, mesh)
     t, s, p = F.tokens, F.seqs, F.pages_per_seq
-    runner = ModelRunner(config, weights, cache, Buckets((t,), (s,), (p,)), ops, mesh=mesh)
-    md = BatchMetadata(np.zeros(t, np.int32), np.zeros((s, p), np.int32), np.zeros(s, np.int32),
-                       np.zeros(s + 1, np.int32), np.zeros(s, np.int32))
-    inputs, packing = pack_inputs((np.zeros(t, np.int32), np.zeros(t, np.int32), md, SamplingBatch.greedy(s, 16)))
+    resolved = resolve(EngineConfig(
+        tensor_parallel=F.tensor_parallel, data_parallel=jax.device_count() // F.tensor_parallel, dtype=F.dtype,
+        num_pages=F.num_pages, page_size=F.page_size, max_num_seqs=s, max_num_batched_tokens=t,
+        max_model_len=p * F.page_size, token_buckets=(t,), seq_buckets=(s,), page_buckets=(p,), layer_loop="scan",
+        num_scheduler_steps=1, compilation_cache_dir=""), ModelFacts(F.model, config, "preset"),
+        DeviceFacts(jax.default_backend()))
+    ops = sharding.sharded_ops(resolved.backend.ops(resolved.attention_backend, config.head_dim, False), config, mesh)
+    runner = ModelRunner(resolved, config, weights, cache, ops, mesh=mesh)
+    x = runner.inputs.placeholder((t, s, p), decode_only=False)
+    inputs, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))
     t0 = time.perf_counter()
     lowered = runner._step.lower(weights, cache, runner.last_tokens, inputs, packing=packing, greedy_only=True,
                                  num_logprobs=None, penalties=False)

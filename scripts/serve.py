@@ -52,9 +52,9 @@ def main(argv):
 
     config = engine_flags.engine_config()
     if F.coordinator_address is not None and F.process_id != 0:  # run process 0's steps, serve no HTTP
-        from jaxinfer.batching.multihost import follow
+        from jaxinfer.batching.factory import run_follower
         model_flags.init_distributed()
-        return follow(F.model, config)
+        return run_follower(F.model, config)
     # Process 0 of several joins the run in its engine core, the process that touches devices.
     distributed = (F.coordinator_address, F.num_processes, F.process_id) if F.coordinator_address else None
 

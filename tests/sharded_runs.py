@@ -70,7 +70,7 @@ def collectives(config, tp: int, bias: bool, backend: str = "reference", quantiz
     attention by ``backend`` per device, the weights under ``quantization`` and the cache in
     ``kv_cache_dtype``: its logits against one device's reference step with the same weights and
     cache dtype, and the collectives in its compiled HLO."""
-    from jaxinfer.pallas_kernels import get_kernels
+    from jaxinfer.batching.backend import backend_for
     from jaxinfer.paged.kv_cache import kv_storage_dtype
     from jaxinfer.quant import quantize
 
@@ -102,7 +102,8 @@ def collectives(config, tp: int, bias: bool, backend: str = "reference", quantiz
         return logits, fn.lower(weights, cache, *steps[0]).compile().as_text()
 
     ref, _ = run_steps(w, KVCache.zeros(config.num_layers, 1, 16, config.num_kv_heads, config.head_dim, kv_dtype), Ops())
-    ops = sharding.sharded_ops(Ops(**get_kernels(backend, kv_quantized=kv_cache_dtype != "auto")), config, mesh)
+    ops = sharding.sharded_ops(backend_for("cpu").ops(backend, config.head_dim, kv_cache_dtype != "auto"), config,
+                               mesh)
     got, hlo = run_steps(sharding.place_weights(w, config, mesh),
                          sharding.zeros_cache(config, mesh, 1, 16, kv_dtype), ops)
     gathers = [int(np.prod([int(d) for d in m.split(",") if d] or [1]))
@@ -147,10 +148,9 @@ def main():
         initialize(f"127.0.0.1:{port}", int(processes), int(pid))
         if int(pid):
             from jaxinfer.batching.config import EngineConfig
-            from jaxinfer.batching.engine import LLMEngine
+            from jaxinfer.batching.factory import run_follower
 
-            config = EngineConfig(tensor_parallel=int(tp), load_format="dummy", seed=3, **SMALL)
-            LLMEngine(model, config).runner.follow()
+            run_follower(model, EngineConfig(tensor_parallel=int(tp), load_format="dummy", seed=3, **SMALL))
             return
         results[RUNS[0]] = run(model, int(tp), 1, load_format="dummy", seed=3)
         results[RUNS[0]]["devices"] = [jax.device_count(), jax.local_device_count()]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.batching.sequence import Status
+from jaxinfer.batching.request import Status
 
 # float32 on every backend: the exactness tests compare token ids across differently shaped steps, and
 # in bfloat16 a GPU's 1-row and 5-row steps round differently enough to flip near-tied argmaxes of a
@@ -63,9 +63,9 @@ def drive(engine, arrivals, params=None, priorities=None, aborts=()):
 
 
 def assert_no_leak(engine):
-    b = engine.blocks
+    b = engine.scheduler.kv.blocks
     assert b.num_used == 0 and all(c == 0 for c in b.ref_count)
-    assert not engine.requests and not engine.has_unfinished()
+    assert not engine.scheduler.requests and not engine.has_unfinished()
 
 
 PATHS = {
@@ -138,9 +138,9 @@ def test_abort_frees_pages_at_once():
     eng = llm.engine
     eng.add_request("a", make_prompts(5, 1, 60, 61)[0], greedy())
     eng.step()
-    assert eng.blocks.num_used > 0
+    assert eng.stats()["kv_pages_used"] > 0
     assert eng.abort("a")
-    assert eng.blocks.num_used == 0 and not eng.has_unfinished()
+    assert eng.stats()["kv_pages_used"] == 0 and not eng.has_unfinished()
 
 
 @pytest.mark.parametrize("contention", ["slots", "pages"])
@@ -214,8 +214,8 @@ def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
     (padded) sequences: warm-up compiles those variants and no others, larger decode steps run as
     ordinary ones, nothing compiles after warm-up, and the tokens are the requests' run alone. The op
     here is the jnp composition, recording the sequence bucket of each step it is traced for."""
-    import jaxinfer.batching.engine as engine
-    from jaxinfer.models.layers import rope_write_kv
+    from jaxinfer.batching.backend import CpuBackend
+    from jaxinfer.models.layers import Ops, rope_write_kv
     from jaxinfer.paged.attention import ragged_paged_attention
 
     traced = []
@@ -228,9 +228,9 @@ def test_decode_only_steps_up_to_the_kernels_limit(alone, monkeypatch):
         return ragged_paged_attention(q, cache.k, cache.v, layer, md, scale=scale, soft_cap=soft_cap,
                                       sliding_window=sliding_window), cache
 
-    monkeypatch.setattr(engine, "get_kernels", lambda *_: {"attention": ragged_paged_attention,
-                                                           "decode_attention": decode_attention,
-                                                           "decode_attention_max_seqs": 2})
+    monkeypatch.setattr(CpuBackend, "ops", lambda *_: Ops(attention=ragged_paged_attention,
+                                                          decode_attention=decode_attention,
+                                                          decode_attention_max_seqs=2))
     eng = LLM("tiny-llama3", **BASE).engine
     eng.warmup(greedy_only=True)
     assert set(traced) == {1, 2}, traced  # the decode-only variants of the 1- and 2-sequence buckets only
@@ -248,7 +248,7 @@ def test_step_inputs_travel_as_one_buffer():
     """The packed transfer gives back every host array of a step bit for bit, dtypes and static
     fields included (floats and unsigned seeds ride in int32 words)."""
     import jax
-    from jaxinfer.batching.model_runner import pack_inputs, unpack_inputs
+    from jaxinfer.batching.inputs import pack_inputs, unpack_inputs
     from jaxinfer.paged.kv_cache import BatchMetadata
 
     rng = np.random.default_rng(0)
@@ -271,25 +271,18 @@ def test_step_inputs_travel_as_one_buffer():
 def test_prefill_trimmed_to_the_smaller_bucket(prompt_len, buckets, want):
     """A few prefill tokens on top of a full decode batch must not push a step into a bucket that is
     mostly padding; decodes are never trimmed, and the trimmed prompt goes on in the next step."""
+    from jaxinfer.batching.kv_manager import KVCacheManager
+    from jaxinfer.batching.request import Request
     from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
-    from jaxinfer.batching.sequence import Sequence
-    from jaxinfer.paged.block_manager import BlockManager
 
-    sched = Scheduler(SchedulerConfig(8, 64, 64, token_buckets=buckets), BlockManager(64, 16, False))
+    sched = Scheduler(SchedulerConfig(8, 64, 64, 256, token_buckets=buckets), KVCacheManager(64, 16, False))
     for i in range(7):
-        sched.add(Sequence(f"d{i}", [5], greedy(), 0, arrival_index=i))
-    first = sched.schedule()
-    for s, n in zip(first.seqs, first.num_tokens):  # as if dispatched: each now decodes
-        s.num_computed_tokens += n
-        s.inflight.append(-1)  # SAMPLED: its next token is in flight
-    prompt = Sequence("p", list(range(3, 3 + prompt_len)), greedy(), 0, arrival_index=7)
-    sched.add(prompt)
+        sched.add_request(Request(f"d{i}", [5], greedy(), 0, arrival_index=i))
+    sched.dispatched(sched.schedule(), 1)  # as if run: each now decodes, its next token in flight
+    sched.add_request(Request("p", list(range(3, 3 + prompt_len)), greedy(), 0, arrival_index=7))
     batch = sched.schedule()
-    assert batch.num_tokens == want and batch.seqs[-1] is prompt
-    prompt.num_computed_tokens += batch.num_tokens[-1]
-    for s in batch.seqs[:-1]:
-        s.num_computed_tokens += 1
-        s.inflight.append(-1)  # SAMPLED: its next token is in flight
+    assert batch.num_tokens == want and batch.request_ids[-1] == "p"
+    sched.dispatched(batch, 1)
     if want[-1] < prompt_len:
         assert sched.schedule().num_tokens[-1] == 1  # still trimmed while the decodes fill bucket 8
 
@@ -310,14 +303,14 @@ def test_multi_step_decode_matches_single_steps():
         SamplingParams(max_tokens=15, temperature=0.0, logprobs=2, ignore_eos=True), greedy(11)]
     arrivals = [(i, p) for i, p in enumerate(ps)]
     want = drive(single.engine, arrivals, params)
-    assert single.engine.runner.num_steps == single.engine.stats()["steps"]
+    assert single.engine.scheduler.inflight.num_dispatched == single.engine.stats()["steps"]
     assert want["r0"].finish_reason == "stop" and want["r0"].token_ids == free[:free.index(stop)]
     # a large pool; a small one (preemption); 3 slots for 8 requests (runs while the rest wait for a slot)
     for opts in (dict(num_pages=128), dict(num_pages=16), dict(max_num_seqs=3, seq_buckets=(1, 2, 4))):
         multi = LLM("tiny-llama3", **{**BASE, "num_scheduler_steps": 4, **opts})
         done = drive(multi.engine, arrivals, params, aborts=[("r7", 9)])
         stats = multi.engine.stats()
-        runs = (stats["steps"] - multi.engine.runner.num_steps) // 3  # each counts 4 steps, 1 dispatch
+        runs = (stats["steps"] - multi.engine.scheduler.inflight.num_dispatched) // 3  # 4 steps, 1 dispatch
         least = {128: 3, 16: 1}.get(opts.get("num_pages"), 8)  # 3 slots: 12 runs; 4 if waiting stopped them
         assert runs >= least, f"{runs} dispatches ran 4 decode steps"
         assert (stats["preemptions"] > 0) == (opts.get("num_pages") == 16)

@@ -1,6 +1,6 @@
-"""Bounded compilation: warm-up compiles exactly its plan, live executables never exceed
-``max_executables`` (and their memory maps stay bounded), evicted steps recompile correctly, and the
-persistent compilation cache directory is used (issue 22)."""
+"""Bounded compilation: warm-up compiles exactly its plan and nothing compiles after it, live
+executables never exceed ``max_executables`` (and their memory maps stay bounded), evicted steps
+recompile correctly, and the persistent compilation cache directory is used."""
 
 import os
 
@@ -10,7 +10,8 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
-from jaxinfer.batching.model_runner import default_buckets
+from jaxinfer.batching.backend import backend_for
+from jaxinfer.batching.compilation import first_steps
 
 TINY = dict(load_format="dummy", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -22,10 +23,10 @@ def _maps() -> int:
 
 
 def test_cpu_default_buckets_are_coarse():
-    b = default_buckets("cpu", 128, 16, 64)
+    b = backend_for("cpu").buckets(128, 16, 64)
     assert (b.tokens, b.seqs, b.pages) == ((1, 8, 16, 64, 128), (1, 4, 8, 16), (64,))
     assert len(b.all_shapes()) == 16  # the server's defaults: 624 shapes with powers of two
-    assert default_buckets("gpu", 128, 16, 64).tokens == (8, 16, 32, 64, 128)
+    assert backend_for("gpu").buckets(128, 16, 64).tokens == (8, 16, 32, 64, 128)
 
 
 def test_warmup_compiles_the_plan_and_nothing_more(tmp_path):
@@ -33,13 +34,64 @@ def test_warmup_compiles_the_plan_and_nothing_more(tmp_path):
     runner = llm.engine.runner
     plan = runner.warmup_plan(greedy_only=True)
     llm.warmup(greedy_only=True)
-    assert runner.num_executables == len(plan) == llm.engine.num_compilations
-    assert runner.num_steps == 0, "warm-up must compile without running steps"
+    assert runner.compiler.num_executables == len(plan) == llm.engine.num_compilations
+    assert llm.engine.stats()["steps"] == 0, "warm-up must compile without running steps"
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, n).tolist() for n in (3, 9, 17, 30, 5)]
     llm.generate(prompts, GREEDY)
     assert llm.engine.num_compilations == len(plan), "a step shape was compiled after warm-up"
     assert any(os.scandir(tmp_path)), "the persistent compilation cache directory was not written"
+
+
+def test_nothing_compiles_after_warmup_for_a_varied_workload(tmp_path):
+    """After ``warmup(structured=True)``, a workload of every kind warm-up plans for compiles nothing at
+    all, counted by JAX itself (every executable it builds, the engine's steps or any other): staggered
+    arrivals of prompts from 1 to 100 tokens, batches of 1 to 4, chunked prefills next to decodes, runs
+    of 4 decode steps, greedy and seeded sampling, stop tokens and aborts, a constrained request, and a
+    step that fails and is recomputed (a fresh KV pool)."""
+    from jaxinfer import StructuredOutputs
+
+    compiled = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    llm = LLM("smollm2-135m", compilation_cache_dir=str(tmp_path), max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=192)
+    llm.warmup(structured=True)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        eng, rng = llm.engine, np.random.default_rng(3)
+        real = eng.runner.execute
+        failed = []
+
+        def fail_once(out):  # the 9th step fails as a device error would, taking the pool with it
+            if len(failed) == 0 and eng.stats()["steps"] >= 9:
+                failed.append(out)
+                for x in jax.tree.leaves(eng.runner.cache):
+                    x.delete()
+                raise RuntimeError("injected device failure")
+            return real(out)
+        eng.runner.execute = fail_once
+        for i, n in enumerate((1, 5, 17, 33, 60, 100, 9, 2)):
+            params = (SamplingParams(max_tokens=int(rng.integers(3, 14)), temperature=0.9, seed=i) if i % 2 else
+                      SamplingParams(max_tokens=int(rng.integers(3, 14)), temperature=0.0, stop_token_ids=(13,)))
+            eng.add_request(f"r{i}", rng.integers(3, 40000, n).tolist(), params)
+            if i == 5:
+                eng.add_request("choice", "Is the sky blue? Answer:", SamplingParams(
+                    max_tokens=4, temperature=0.0, structured=StructuredOutputs(choice=("yes", "no"))))
+            for _ in range(i % 3 + 1):
+                eng.step()
+            if i == 6:
+                eng.abort("r4")
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        from jax._src import monitoring
+        monitoring.unregister_event_duration_listener(listen)
+    assert failed, "the step meant to fail did not run"
+    assert compiled == [], f"compiled after warm-up: {compiled}"
 
 
 def test_greedy_and_sampled_steps_share_one_executable_per_shape(tmp_path):
@@ -48,8 +100,8 @@ def test_greedy_and_sampled_steps_share_one_executable_per_shape(tmp_path):
     llm = LLM("tiny-llama3", compilation_cache_dir=str(tmp_path), **TINY)
     runner = llm.engine.runner
     plan = runner.warmup_plan()
-    single = [x for x in plan if x[3] == 1]  # the rest: multi-step decodes (``num_scheduler_steps``)
-    assert len(single) == len(runner.buckets.all_shapes()) and all(g is None for _, _, g, _ in plan)
+    single = [p for p in plan if p.steps == 1]  # the rest: multi-step decodes (``num_scheduler_steps``)
+    assert len(single) == len(runner.buckets.all_shapes()) and all(p.greedy is None for p in plan)
     llm.warmup()
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, n).tolist() for n in (4, 11, 23)]
@@ -78,7 +130,7 @@ def test_executables_bounded_and_correct_after_eviction():
     for _ in range(2):
         for p in prompts:  # alone: each prompt meets its own prefill and decode shapes
             assert llm.generate([p], GREEDY)[0].token_ids == ref[prompts.index(p)]
-            assert llm.engine.runner.num_executables <= 2
+            assert llm.engine.runner.compiler.num_executables <= 2
         counts.append(_maps())
     assert llm.engine.num_compilations > 2 * len(prompts), "the soak did not evict and recompile"
     assert counts[-1] <= counts[0] + 200, f"memory maps grew with compilations: {counts}"
@@ -104,32 +156,31 @@ def test_background_warmup_compiles_the_plan_once_while_serving(tmp_path):
     llm = LLM("tiny-llama3", compilation_cache_dir=str(tmp_path), **TINY)
     runner = llm.engine.runner
     plan = runner.warmup_plan(greedy_only=True)
-    first = runner.first_steps(plan)
+    first = first_steps(plan, runner.buckets)
     assert 0 < len(first) < len(plan)
     llm.warmup(greedy_only=True, background=True)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     llm.engine.wait_warmup()
-    assert runner.num_executables == len(plan) == llm.engine.num_compilations
+    assert runner.compiler.num_executables == len(plan) == llm.engine.num_compilations
 
 
 @pytest.mark.parametrize("layer_loop", ["indexed", "scan"])
-def test_multi_step_decode_updates_the_pool_in_place(layer_loop):
-    """The multi-step decode (``num_scheduler_steps``, 4 on CPU) writes K/V inside its loop after the
-    step read the pool: its compiled code must not copy the pool (XLA:CPU once copied it several times
-    per layer where a write could precede a read: ~28 s per SmolLM2 step; ``paged.kv_cache``). With
-    unrolled layers it did copy it at every step (two pool-shaped copies in the loop body), so there
-    the default is one step and asking for more is refused."""
+def test_steps_update_the_pool_in_place(layer_loop):
+    """Every step, and the multi-step decode (``num_scheduler_steps``, 4 on CPU) at each of its steps,
+    writes every layer's K/V after the layers read the pool: the compiled code must not copy the pool
+    (XLA:CPU once copied it several times per layer where a write could precede a read: ~28 s per
+    SmolLM2 step; ``paged.kv_cache``). After unrolled layers it did copy it (twice per step), so that
+    pairing is refused."""
     import re
     llm = LLM("tiny-llama3", compilation_cache_dir="", layer_loop=layer_loop, **TINY)
     runner = llm.engine.runner
     llm.warmup(greedy_only=True)
     pool = ",".join(map(str, runner.cache.k.shape))
-    multi = [exe for key, exe in runner._executables.items() if key[0] is runner._multi]
-    assert multi and runner.num_scheduler_steps == 4
-    for exe in multi:
+    steps = {key[0]: exe for key, exe in runner.compiler._executables.items()}
+    assert runner._multi in steps and runner._step in steps and runner.num_scheduler_steps == 4
+    for key, exe in runner.compiler._executables.items():
         text = exe.as_text()
         assert f"[{pool}]" in text and not [line for line in text.splitlines()
                                             if re.search(r"\bcopy\(", line) and f"[{pool}]" in line]
-    assert LLM("tiny-llama3", layer_loop="unroll", **TINY).engine.runner.num_scheduler_steps == 1
-    with pytest.raises(ValueError, match="num_scheduler_steps must be 1 with layer_loop='unroll'"):
-        LLM("tiny-llama3", layer_loop="unroll", num_scheduler_steps=4, **TINY)
+    with pytest.raises(ValueError, match="layer_loop='unroll' does not go with attention_backend='cpu'"):
+        LLM("tiny-llama3", layer_loop="unroll", **TINY)

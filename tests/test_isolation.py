@@ -7,6 +7,7 @@ requests join batches whose multi-step decode is in flight."""
 
 import re
 
+import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams, StructuredOutputs
@@ -77,7 +78,7 @@ def test_a_constraint_failing_inside_the_step_fails_its_request_alone(llm, alone
         failed = done["later-0"]
         assert failed.finished and failed.finish_reason == "error"
         assert "2000" in failed.error and "constraint" in failed.error
-    assert llm.engine.stats()["running"] == 0 and not llm.engine.requests
+    assert llm.engine.stats()["running"] == 0 and not llm.engine.scheduler.requests
 
 
 def test_top_k_bound_is_the_steps(llm):
@@ -121,3 +122,65 @@ def test_unsatisfiable_schemas_are_refused(llm, schema):
 def test_logprobs_above_the_engines_bound_are_refused():
     with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
         SamplingParams(logprobs=21)
+
+
+# ------------------------------------------------------------------ a step that fails as a whole
+
+
+def inject(monkeypatch, runner, method: str, fails, delete_cache: bool = False):
+    """``runner.method`` raises where ``fails(call index, args)`` says, as a device or runtime error
+    would; ``delete_cache``: the failed step took the donated KV pool with it."""
+    real, calls = getattr(runner, method), [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if fails(calls[0] - 1, args):
+            if delete_cache:
+                for x in jax.tree.leaves(runner.cache):
+                    x.delete()
+            raise RuntimeError("injected device failure")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(runner, method, wrapped)
+
+
+MIXED = [(p, greedy(12)) for p in PLAIN] + [
+    ("Write a list of fruits:", SamplingParams(max_tokens=12, temperature=0.8, seed=5)),
+    ("Is the sky blue?", greedy(4, structured=StructuredOutputs(choice=("yes", "no"))))]
+
+
+@pytest.fixture(scope="module")
+def mixed_alone(llm):
+    return [llm.generate(p, params)[0] for p, params in MIXED]
+
+
+@pytest.mark.parametrize("method, at, delete_cache", [("execute", 1, False), ("execute", 3, True),
+                                                      ("fetch", 2, False), ("fetch", 4, True),
+                                                      ("run_forward", 1, True)])
+def test_a_failed_step_recomputes_its_requests(llm, mixed_alone, monkeypatch, caplog, method, at, delete_cache):
+    """Whatever part of a step fails (dispatch, reading its tokens, the constrained forward), the
+    requests in flight are recomputed from their known tokens: each output, greedy, seeded and
+    constrained, is the one it has alone, and nothing leaks."""
+    inject(monkeypatch, llm.engine.runner, method, lambda n, _: n == at, delete_cache)
+    with caplog.at_level("ERROR", logger="jaxinfer.batching.engine"):
+        done = run_joining(llm, MIXED[:2], MIXED[2:], after_steps=1)
+    assert any("a step failed (RuntimeError: injected device failure)" in r.getMessage() for r in caplog.records)
+    for i, want in enumerate(mixed_alone):
+        got = done[f"first-{i}" if i < 2 else f"later-{i - 2}"]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    stats = llm.engine.stats()
+    assert stats["running"] == stats["preempted"] == 0 and not llm.engine.scheduler.requests
+    assert stats["kv_pages_used"] == 0
+
+
+def test_a_request_that_fails_every_step_fails_alone(llm, mixed_alone, monkeypatch):
+    """A request whose every step fails (whatever it is about it) is failed with an error after
+    ``MAX_STEP_FAILURES`` steps of its own; the requests that shared its failed steps go on to the
+    outputs they have alone."""
+    inject(monkeypatch, llm.engine.runner, "execute", lambda n, args: "later-0" in args[0].request_ids)
+    poison = ("Tell me a story.", greedy(8))
+    done = run_joining(llm, MIXED[:2], [poison] + MIXED[2:3], after_steps=2)
+    assert done["later-0"].finish_reason == "error"
+    assert "failed to run a step with this request 3 times" in done["later-0"].error
+    for key, want in (("first-0", mixed_alone[0]), ("first-1", mixed_alone[1]), ("later-1", mixed_alone[2])):
+        assert done[key].token_ids == want.token_ids
+    assert llm.engine.stats()["kv_pages_used"] == 0 and not llm.engine.scheduler.requests

@@ -29,7 +29,7 @@ from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.models.config import PRESETS
 from jaxinfer.models.layers import Ops, rope_frequencies, rope_write_kv
 from jaxinfer.paged.kv_cache import KVCache, dequantize, kv_storage_dtype, pack_codes, quantize, unpack_codes
-from jaxinfer.pallas_kernels import BACKENDS, get_kernels
+from jaxinfer.batching.backend import ATTENTION_BACKENDS, backend_for
 from jaxinfer.pallas_kernels import gpu, rope_kv, tpu
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -321,26 +321,24 @@ def test_gpu_multi_page_key_blocks(case, splits):
     assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) < tol
 
 
-def test_get_kernels():
-    # The reference step reads the cache and a separate executable writes it (see Ops.defer_kv_write).
-    reference_ops = {"attention": reference, "defer_kv_write": True}
-    assert get_kernels("reference") == reference_ops
-    for name in BACKENDS:
-        kernels = get_kernels(name)
-        assert callable(kernels["attention"]) and set(kernels) <= {f.name for f in dataclasses.fields(Ops)}
-    assert get_kernels("pallas_gpu")["rope_write_kv"] is rope_kv.rope_write_kv
-    assert get_kernels("pallas_gpu")["decode_attention"] is gpu.rope_decode_attention
-    if jax.default_backend() == "cpu":  # the reference, with few-token steps through the native kernel
-        cpu_ops = {"attention": cpu_attention.ragged_paged_attention, "defer_kv_write": True}
-        assert get_kernels("auto") == get_kernels("cpu") == get_kernels("auto", head_dim=96) == cpu_ops
+def test_backends_choose_their_kernels():
+    cpu, gpu_, tpu_ = (backend_for(p) for p in ("cpu", "gpu", "tpu"))
+    # The reference step reads the cache and writes every layer's K/V after the loop (Ops.defer_kv_write).
+    assert cpu.ops("reference", 64, False) == Ops(attention=reference, defer_kv_write=True)
+    for name in ATTENTION_BACKENDS[1:]:
+        assert callable(cpu.ops(name, 64, False).attention)
+    kernels = gpu_.ops("pallas_gpu", 64, False)
+    assert kernels.rope_write_kv is rope_kv.rope_write_kv and kernels.decode_attention is gpu.rope_decode_attention
+    # "auto": the platform's own; the CPU's is the reference with few-token steps through the native kernel
+    assert cpu.attention_backend("auto", 96) == "cpu" and tpu_.attention_backend("auto", 64) == "pallas_tpu"
+    assert cpu.ops("cpu", 64, False) == Ops(attention=cpu_attention.ragged_paged_attention, defer_kv_write=True)
     with pytest.raises(ValueError, match="pallas_gpu"):
-        get_kernels("cuda")
+        cpu.attention_backend("cuda", 64)
     # Phi-3's head_dim 96: "auto" on a GPU falls back to the reference; asking for the GPU kernels is an error.
-    if jax.default_backend() == "gpu":
-        assert get_kernels("auto", head_dim=96) == reference_ops
-    assert get_kernels("pallas_gpu", head_dim=256)["rope_write_kv"] is rope_kv.rope_write_kv
+    assert gpu_.attention_backend("auto", 96) == "reference" and gpu_.attention_backend("auto", 128) == "pallas_gpu"
+    assert gpu_.ops("pallas_gpu", 256, False).rope_write_kv is rope_kv.rope_write_kv
     with pytest.raises(ValueError, match="head_dim 96 is not supported by the pallas_gpu kernels"):
-        get_kernels("pallas_gpu", head_dim=96)
+        gpu_.ops("pallas_gpu", 96, False)
 
 
 def attention_extras(rng, extras, heads, kv_heads, head_dim, dtype):
@@ -501,7 +499,7 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     GPU path's wiring, checked on CPU. Float32 on every platform: a GPU's default bf16 would part the
     two runs at near-ties, which says nothing about the kernels."""
     from jaxinfer import LLM, SamplingParams
-    import jaxinfer.batching.engine as engine
+    from jaxinfer.batching.backend import CpuBackend
 
     opts = dict(load_format="dummy", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
                 max_model_len=128, token_buckets=(8, 32), seq_buckets=(4,), page_buckets=(8,))
@@ -509,9 +507,8 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny-llama3", attention_backend="reference", **opts).generate(prompts, params)
     if backend == "pallas_gpu":
-        interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) else fn
-                       for name, fn in get_kernels(backend).items()}
-        monkeypatch.setattr(engine, "get_kernels", lambda *_: interpreted)
+        interpreted = interpreted_gpu_ops()
+        monkeypatch.setattr(CpuBackend, "ops", lambda *_: interpreted)
     got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
     assert [g.token_ids for g in got] == [r.token_ids for r in ref]
 
@@ -523,32 +520,37 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
     iteration, which stalls the stream and the host's dispatch of the next step (``jnp.searchsorted``
     did this). A mixed step (prefill chunk + decodes) and a decode-only one (the fused decode kernel)."""
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.batching.model_runner import pack_inputs
-    from jaxinfer.batching.scheduler import ScheduledBatch
-    from jaxinfer.batching.sequence import Sequence
+    from jaxinfer.batching.inputs import pack_inputs
+    from jaxinfer.batching.step_io import SchedulerOutput
 
     llm = LLM("tiny-llama3", load_format="dummy", attention_backend="pallas_gpu", layer_loop="unroll",
               max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
               token_buckets=(32,), seq_buckets=(4,), page_buckets=(8,))
-    runner, blocks = llm.engine.runner, llm.engine.blocks
-    seqs, counts = [], []
+    runner = llm.engine.runner
     work = [(20, 0), (40, 39), (9, 8)] if batch == "mixed" else [(40, 39), (9, 8)]  # (tokens, computed)
-    for i, (n, computed) in enumerate(work):
-        seq = Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(temperature=0.0 if greedy_only else 0.8),
-                       seed=i)
-        seq.page_table, _ = blocks.allocate(seq.token_ids)
-        seq.num_computed_tokens = computed
-        seqs.append(seq)
-        counts.append(n - computed)
-    tokens, positions, md, sb, flags = runner.prepare(ScheduledBatch(seqs, counts))
-    assert flags["greedy_only"] == greedy_only and md.decode_only == (batch == "decode_only")
-    inputs, packing = pack_inputs((tokens, positions, md, sb))
+    params = SamplingParams(temperature=0.0 if greedy_only else 0.8)
+    pages = iter(range(64))
+    tables = [[next(pages) for _ in range(-(-n // 16))] for n, _ in work]
+    out = SchedulerOutput(
+        request_ids=[f"s{i}" for i in range(len(work))], num_tokens=[n - c for n, c in work], starts=[c for _, c in work],
+        token_ids=[t for n, c in work for t in range(3 + c, 3 + n)], page_tables=tables, params=[params] * len(work),
+        seeds=list(range(len(work))), output_index=[0] * len(work), penalty_tokens={}, proposals=[[]] * len(work))
+    x = runner.inputs.build(out)
+    assert x.flags["greedy_only"] == greedy_only and x.md.decode_only == (batch == "decode_only")
+    inputs, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))
     lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, inputs, packing=packing,
-                                 **flags).lower(lowering_platforms=("cuda",))
+                                 **x.flags).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text  # the Pallas GPU kernels are in the step
     assert ("rope_paged_decode_gpu" in text) == (batch == "decode_only")
     assert "stablehlo.while" not in text
+
+
+def interpreted_gpu_ops() -> Ops:
+    """The GPU backend's kernels in Pallas interpret mode (they run on CPU)."""
+    ops = backend_for("gpu").ops("pallas_gpu", 64, False)
+    return dataclasses.replace(ops, **{f: functools.partial(getattr(ops, f), interpret=True)
+                                       for f in ("attention", "rope_write_kv", "decode_attention")})
 
 
 def decoder_steps(page_size=8):
@@ -604,9 +606,8 @@ def test_decoder_family_through_gpu_kernels():
         lambda path, a: a + randomize.get(path[-1].key, 0.0) * jnp.asarray(rng.standard_normal(a.shape), a.dtype),
         weights.layers)
     weights = dataclasses.replace(weights, layers=layers)
-    interpreted = {name: functools.partial(fn, interpret=True) if callable(fn) and not ON_GPU else fn
-                   for name, fn in get_kernels("pallas_gpu").items()}
-    ops = {"reference": Ops(), "kernels": Ops(**interpreted)}
+    ops = {"reference": Ops(), "kernels": backend_for("gpu").ops("pallas_gpu", 16, False) if ON_GPU
+           else interpreted_gpu_ops()}
     caches = {name: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, config.head_dim) for name in ops}
     step = jax.jit(forward, static_argnames=("config", "ops"))
     for tokens, positions, md in decoder_steps():
@@ -635,7 +636,7 @@ def test_gpu_family_step_lowers_for_cuda(kv_cache_dtype):
     cache = jax.eval_shape(lambda: KVCache.zeros(config.num_layers, 7, 8, config.num_kv_heads, 256, kv_dtype))
     step = jax.jit(forward, static_argnames=("config", "ops"))
     for tokens, positions, md in decoder_steps():
-        text = step.trace(weights, tokens, positions, cache, md, config=config, ops=Ops(**get_kernels("pallas_gpu"))
+        text = step.trace(weights, tokens, positions, cache, md, config=config, ops=backend_for("gpu").ops("pallas_gpu", 256, False)
                           ).lower(lowering_platforms=("cuda",)).as_text()
         names = ["rope_paged_decode_gpu"] if md.decode_only else ["rope_write_kv_gpu", "paged_decode_gpu",
                                                                   "paged_prefill_gpu"]

@@ -648,7 +648,7 @@ def test_embedded_model_quality_and_memory_per_scheme(smollm2_tokenizer):
     assert size["int8"] < size["none"] / 2 and size["int4-g64"] < size["int4-g32"] < size["int8"], size
 
 
-@pytest.mark.parametrize("scheme,loop", [("int8", "scan"), ("int4-g32", "unroll")])
+@pytest.mark.parametrize("scheme,loop", [("int8", "scan"), ("int4-g32", "indexed")])
 def test_engine_runs_dummy_weights_quantized_at_load(scheme, loop):
     """The benchmarks' path (random weights quantized on the device), both layer loops: it decodes,
     and logits stay close to full precision's (the same random weights)."""

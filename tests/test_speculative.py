@@ -8,6 +8,7 @@ some proposals, so every step exercises partial acceptance (a random model rarel
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,6 @@ from scipy import stats as scistats
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.sequence import SAMPLED
 from jaxinfer.batching.speculative import NgramProposer
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.sampling import SamplingBatch, _filtered, verify
@@ -71,7 +71,7 @@ PATHS = {
 @pytest.mark.parametrize("k,path,proposer,overlap", [(3, p, "replay", False) for p in PATHS] + [
     (5, "preempt-swap", "replay", False), (5, "staggered", "ngram", False), (1, "chunk1", "ngram", False)] + [
     (3, p, "replay", True) for p in PATHS] + [(5, "staggered", "ngram", True), (1, "chunk1", "ngram", True)])
-def test_greedy_identical_to_no_speculation(k, path, proposer, overlap):
+def test_greedy_identical_to_no_speculation(k, path, proposer, overlap, caplog):
     """``overlap``: verifying steps stay in flight (``speculative_overlap``), so a step after one that
     rejected a proposal is dispatched and then discarded, on every scheduling path."""
     # Repeated halves give the n-gram proposer something to find.
@@ -79,17 +79,15 @@ def test_greedy_identical_to_no_speculation(k, path, proposer, overlap):
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
     answers = {tuple(p): want[i] for i, p in enumerate(prompts)}
     llm = spec_llm(k, **PATHS[path], speculative_overlap=overlap)
-    preempt, victims = llm.engine.scheduler._preempt, []  # proposals in flight when preempted
-
-    def preempting(seq):
-        victims.append(any(t != SAMPLED for t in seq.inflight))
-        preempt(seq)
-    llm.engine.scheduler._preempt = preempting
     # request 6 does not speculate (penalties) and shares every step with those that do
     params = [greedy()] * 6 + [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                               presence_penalty=1e-9)]
-    got = run_batch(llm, prompts, params, Replay(answers) if proposer == "replay" else NgramProposer(1, 4),
-                    arrivals=[0, 0, 0, 1, 1, 2, 4])
+    with caplog.at_level("DEBUG", logger="jaxinfer.batching.scheduler"):
+        got = run_batch(llm, prompts, params, Replay(answers) if proposer == "replay" else NgramProposer(1, 4),
+                        arrivals=[0, 0, 0, 1, 1, 2, 4])
+    # preempted with proposals in flight (what the scheduler logs of each preemption)
+    victims = [int(m.group(1)) > 0 for r in caplog.records if (m := re.search(r"(\d+) of them proposals",
+                                                                               r.getMessage()))]
     assert {i: o.token_ids for i, o in got.items()} == want
     s = llm.engine.stats()
     assert s["spec_proposed_tokens"] > 0
@@ -124,13 +122,13 @@ def test_prefix_caching_with_speculation(overlap):
     prompts = [shared + p for p in make_prompts(4, 4, high=30)]
     want = {i: run_alone(MODEL, tuple(p)) for i, p in enumerate(prompts)}
     llm = spec_llm(3, speculative_overlap=overlap)
-    hits = llm.engine.blocks.prefix_hits
+    hits = llm.engine.stats()["prefix_cache_hits"]
     got = run_batch(llm, prompts, [greedy()] * 4, Replay({tuple(p): want[i] for i, p in enumerate(prompts)}),
                     arrivals=[0, 2, 4, 6])
     assert {i: o.token_ids for i, o in got.items()} == want
-    assert llm.engine.blocks.prefix_hits > hits
+    assert llm.engine.stats()["prefix_cache_hits"] > hits
     # A page is published only once its tokens are accepted: every cached page holds the tokens it is keyed by.
-    b = llm.engine.blocks
+    b = llm.engine.scheduler.kv.blocks
     for key, page in b.cached.items():
         assert b.page_key[page] == key and len(b.page_tokens[page]) == b.page_size
     assert_no_leak(llm.engine)

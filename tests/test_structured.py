@@ -166,7 +166,7 @@ def test_bad_constraint_raises_at_add_request(llm, structured, match):
     eng = llm.engine
     with pytest.raises(ValueError, match=match):
         eng.add_request("bad", "Hello", greedy(structured=structured))
-    assert "bad" not in eng.requests and not eng.has_unfinished()
+    assert "bad" not in eng.scheduler.requests and not eng.has_unfinished()
     with pytest.raises(TypeError, match="StructuredOutputs"):
         SamplingParams(structured={"json": {}})
 

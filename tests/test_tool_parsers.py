@@ -109,7 +109,7 @@ def _stream(plan, text, pieces, parser="hermes", finish="stop"):
     reply not streamed)."""
     import types
 
-    from jaxinfer.batching.engine import RequestOutput
+    from jaxinfer.batching.outputs import RequestOutput
     from jaxinfer.server.serving import _ChatRenderer
 
     serving = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=None))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxinfer.batching.backend import ATTENTION_BACKENDS
+from jaxinfer.batching.speculative import MAX_SPECULATIVE_TOKENS, METHODS
 from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
 from jaxinfer.paged.kv_cache import KV_CACHE_DTYPES
-from jaxinfer.pallas_kernels import BACKENDS
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.user_cache import user_cache_dir
 
@@ -17,7 +18,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "scheduling_policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute", "swap"),
-    "attention_backend": BACKENDS,
+    "attention_backend": ATTENTION_BACKENDS,
     "layer_loop": ("auto", "scan", "unroll", "indexed"),
 }
 
@@ -162,8 +163,6 @@ def _positive(name: str, value) -> None:
 
 
 def _check_speculative(c: EngineConfig) -> None:
-    from jaxinfer.batching.speculative import MAX_SPECULATIVE_TOKENS, METHODS
-
     if c.speculative_method is not None and c.speculative_method not in METHODS:
         raise ValueError(f"speculative_method must be None or one of {METHODS}, got {c.speculative_method!r}")
     for name in ("num_speculative_tokens", "ngram_max", "speculative_max_num_seqs"):

@@ -2,10 +2,11 @@
 
 Every process builds the same engine over the mesh of all processes' devices (each loads only its
 own devices' shards) and must run the same compiled steps, with the same host inputs, in the same
-order. Process 0 runs the scheduler (and the server): before each step its ``ModelRunner``
-broadcasts the step's static shape and flags (a fixed-size header), then the packed int32 input
-buffer (``multihost_utils.broadcast_one_to_all``, itself an XLA collective). The other processes
-``follow``: they receive and run each step until process 0 sends stop (at its exit). XLA's own
+order. Process 0 runs the scheduler (and the server): before each step its ``ModelRunner`` calls
+``send_step``, which broadcasts the step's static shape and flags (a fixed-size header), then the
+packed int32 input buffer (``multihost_utils.broadcast_one_to_all``, itself an XLA collective). The
+other processes ``follow``: they receive and run each step on their own runner until process 0
+sends stop (at its exit). XLA's own
 collectives carry the rest: gloo on CPU, NCCL on GPU. Data parallel replicas and swap preemption
 stay within one process (the engine refuses them here).
 """
@@ -77,14 +78,8 @@ def stop_followers_at_exit() -> None:
     atexit.register(send_stop)
 
 
-def local_view(tree):
-    """Process 0's own copy of replicated step results (a multi-process array is not readable whole)."""
-    return jax.tree.map(lambda x: x.addressable_data(0), tree)
-
-
-def follow(model: str, config) -> None:
-    """A follower process's whole job: build the engine process 0 builds (``config``: its
-    ``EngineConfig``) and run the steps it sends."""
-    from jaxinfer.batching.engine import LLMEngine
-
-    LLMEngine(model, config).runner.follow()
+def follow(runner) -> None:
+    """A follower process's loop: run each step process 0 sends on ``runner`` (the ``ModelRunner`` of
+    the engine process 0 also built: ``factory.run_follower``) until it stops."""
+    while (step := receive_step()) is not None:
+        runner.run_sent(*step)

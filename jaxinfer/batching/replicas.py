@@ -14,8 +14,8 @@ Requests go to the replica with the fewest unfinished requests (ties: the lowest
 
 from __future__ import annotations
 
-from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.engine import LLMEngine, RequestOutput
+from jaxinfer.batching.engine import LLMEngine
+from jaxinfer.batching.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
 _SUMMED = ("running", "waiting", "preempted", "kv_pages_used", "kv_pages_total", "prefix_cache_pages",
@@ -24,19 +24,13 @@ _SUMMED = ("running", "waiting", "preempted", "kv_pages_used", "kv_pages_total",
            "spec_accepted_tokens")
 
 
-def create_engine(model: str, config: EngineConfig | None = None) -> LLMEngine | ReplicatedEngine:
-    """The engine for ``config``: one ``LLMEngine``, or replicas of it when ``data_parallel > 1``."""
-    config = config or EngineConfig()
-    return ReplicatedEngine(model, config) if config.data_parallel > 1 else LLMEngine(model, config)
-
-
 class ReplicatedEngine:
-    """``LLMEngine``'s interface over ``config.data_parallel`` replicas."""
+    """``LLMEngine``'s interface over ``data_parallel`` replicas (``factory.create_engine`` builds them)."""
 
-    def __init__(self, model: str, config: EngineConfig):
-        self.config = config
-        self.replicas = [LLMEngine(model, config, replica=r) for r in range(config.data_parallel)]
-        first = self.replicas[0]
+    def __init__(self, replicas: list[LLMEngine]):
+        self.replicas = replicas
+        first = replicas[0]
+        self.config, self.resolved = first.config, first.resolved
         self.model_config, self.tokenizer, self.max_model_len = first.model_config, first.tokenizer, first.max_model_len
         self._owner: dict[str, LLMEngine] = {}
 
@@ -46,7 +40,7 @@ class ReplicatedEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        engine = min(self.replicas, key=lambda e: len(e.requests))
+        engine = min(self.replicas, key=lambda e: e.num_unfinished)
         engine.add_request(request_id, prompt, params, priority)
         self._owner[request_id] = engine
 

@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 
-from jaxinfer.batching.sequence import Sequence
+from jaxinfer.batching.request import Request
 from jaxinfer.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft")
@@ -23,40 +23,12 @@ MAX_SPECULATIVE_TOKENS = 16  # a verify step feeds 1 + k tokens per sequence and
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Request], limits: list[int]) -> list[list[int]]:
         """At most ``limits[i]`` tokens (possibly none) proposed to follow ``seqs[i].assumed_context()``:
         the sequence's tokens as if its step in flight accepts every proposal, then ``skip`` (0 or 1)
         tokens that step samples, unknown to the host. The proposals follow those too: a proposer may
         guess them (the n-gram and draft proposers take ``skip + limit`` tokens and drop the first);
         a wrong guess only costs acceptance."""
-
-
-def default_ngram_min(backend: str, ngram_max: int) -> int:
-    """The shortest n-gram worth proposing from where ``ngram_min`` is not given: 2 on CPU, 1 elsewhere.
-
-    Proposing pays when the tokens a step is expected to accept exceed the verify step's extra cost,
-    in plain decode steps. On XLA:CPU a batch-1 verify step costs ~2 plain ones whatever k (the
-    matmuls of 2+ query tokens leave the matrix-vector path), and over the input-grounded prompts of
-    ``tests/data/spec_prompts.json`` (SmolLM2, k = 4) a 1-token match's proposals were accepted 0.7
-    tokens on average (2-token: 1.4; 4-token: 3.6), so they cost more than they gained. On an H200 a
-    batch-1 verify step of k = 4 costs 1.14 plain ones (docs/benchmarks.md, issue 26), so they pay."""
-    return min(ngram_max, 2 if backend == "cpu" else 1)
-
-
-def default_overlap(backend: str, method: str) -> bool:
-    """Where ``speculative_overlap`` is not given: on with the ``ngram`` proposer, except on CPU.
-
-    Keeping a verifying step in flight hides the host's work between steps (reading the outcome,
-    proposing, preparing, dispatching: on an H200 a speculating llama3-8b batch-1 step took 6.6-7.2 ms
-    against 4.9 ms on device, docs/benchmarks.md, issue 26) but discards the next step of every
-    sequence whose step in flight rejects a proposal, and proposals that follow a guessed token are
-    accepted less. On XLA:CPU there is little to hide (a few hundred us of host work next to 30+ ms
-    steps) while a discarded step costs a whole verify step: SmolLM2 with n-gram proposals on the
-    six input-grounded prompts ran 1.60x plain decode overlapped against 1.83x synchronously
-    (docs/benchmarks.md). Only a host-bound model gains there (tiny-llama3, replayed proposals:
-    3.8-4.2x against 2.3-2.5x). A draft model proposes by running its own steps on the device, which
-    wait for the step in flight anyway."""
-    return backend != "cpu" and method == "ngram"
 
 
 class NgramProposer:
@@ -70,7 +42,7 @@ class NgramProposer:
                              f"ngram_min={ngram_min}, ngram_max={ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Request], limits: list[int]) -> list[list[int]]:
         out = []
         for s, k in zip(seqs, limits):
             context, skip = s.assumed_context()
@@ -103,7 +75,7 @@ class DraftProposer:
         self.engine = engine
         self._ids = itertools.count()
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Request], limits: list[int]) -> list[list[int]]:
         eng = self.engine
         rids, skips = [], []
         for s, k in zip(seqs, limits):

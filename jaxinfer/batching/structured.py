@@ -101,13 +101,13 @@ class ConstraintCompiler:
         what = {"json": "JSON schema (invalid or unsupported)", "json_object": "JSON object constraint"}.get(
             kind, kind)
         if template.is_error():
-            raise ValueError(f"invalid structured {what}: {_first_line(template.get_error())}")
+            raise ValueError(f"invalid structured {what}: {_message(template.get_error())}")
         # Some constraints compile but fail at their first token mask: a schema that admits no document
         # ({"$ref": "#"}, mutually recursive $defs) would otherwise be answered "" with reason "stop".
         # The template keeps the mask it computed here, so copies of it start from it.
         template.compute_bitmask()
         if template.is_error():
-            raise ValueError(f"invalid structured {what}: it admits no output ({_first_line(template.get_error())})")
+            raise ValueError(f"invalid structured {what}: it admits no output ({_message(template.get_error())})")
         with self._lock:
             self.misses += 1
             self.compile_seconds.append(time.perf_counter() - t0)
@@ -121,9 +121,9 @@ class ConstraintCompiler:
         return self.compile(structured).deep_copy()
 
 
-def _first_line(error: str) -> str:
-    """llguidance's error without the parser state it dumps after the first line."""
-    return error.strip().split("\n", 1)[0][:300]
+def _message(error: str) -> str:
+    """llguidance's error without the parser state it dumps after it, on one line."""
+    return " ".join(error.split("<state>", 1)[0].split())[:500]
 
 
 # JSON as ``json.dumps`` writes it: llguidance's default, any whitespace between tokens, let greedy
@@ -169,21 +169,35 @@ def compile_constraint(tokenizer, structured: StructuredOutputs, vocab_size: int
 
 
 class Matchers:
-    """The matchers of one engine's constrained sequences, keyed by request id."""
+    """The matchers of one engine's constrained requests, keyed by request id. The tokenizer's
+    compiler (~0.3 s to build for SmolLM2) and llguidance's threads are made on the first one."""
 
-    def __init__(self, compiler: ConstraintCompiler):
-        import llguidance
-
-        self.compiler = compiler
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
+        self._compiler_args = (tokenizer, vocab_size, eos_token_ids)
         self._by_request: dict[str, object] = {}
-        self._executor = llguidance.LLExecutor()
-        self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitmask")
+        self._constraints: dict[str, StructuredOutputs] = {}
+        self._executor = self._filler = None
 
     def add(self, request_id: str, structured: StructuredOutputs) -> None:
-        self._by_request[request_id] = self.compiler.matcher(structured)
+        """A matcher for the request (``ValueError`` for a constraint that does not compile)."""
+        import llguidance
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitmask")
+        self._by_request[request_id] = compiler_for(*self._compiler_args).matcher(structured)
+        self._constraints[request_id] = structured
+
+    def replay(self, request_id: str, tokens: list[int]) -> None:
+        """The request's matcher made anew and advanced over ``tokens`` (its output so far): after a
+        failed step it may have taken tokens the request never got."""
+        m = self._by_request[request_id] = compiler_for(*self._compiler_args).matcher(self._constraints[request_id])
+        for t in tokens:
+            m.consume_token(t)
 
     def remove(self, request_id: str) -> None:
         self._by_request.pop(request_id, None)
+        self._constraints.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_request
@@ -209,12 +223,12 @@ class Matchers:
                 good = all(m.consume_token(t) for t in ids[1:])  # several decode steps: never constrained
             if not good:
                 failed[rid] = (f"the sampled token {ids[0]} broke the request's constraint: "
-                               f"{_first_line(m.get_error())}")
+                               f"{_message(m.get_error())}")
         return {rid for m, _, rid in pairs if rid not in failed and m.is_stopped()}, failed
 
     def errors(self, request_ids) -> dict[str, str]:
         """The error of each of these requests whose matcher failed (a mask it could not compute)."""
-        return {rid: f"the request's constraint failed: {_first_line(m.get_error())}" for rid in request_ids
+        return {rid: f"the request's constraint failed: {_message(m.get_error())}" for rid in request_ids
                 if (m := self._by_request.get(rid)) is not None and m.is_error()}
 
     def fill(self, bitmask: np.ndarray, rows: list[tuple[int, str]]) -> concurrent.futures.Future:

@@ -23,7 +23,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import (LayerChoice, Ops, embed, gated_activation, layer_rope_frequencies, linear, rms_norm,
                                     rms_scale, rope_qkv)
 from jaxinfer.models.spec import Weights
-from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
+from jaxinfer.paged.kv_cache import BatchMetadata, KVCache, write_kv_layers
 
 # The window a global layer passes when the scanned loop's windows are traced: longer than any context.
 GLOBAL_WINDOW = 1 << 30
@@ -74,11 +74,11 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
     and the updated cache (donate it at the jit boundary so it is updated in place).
 
-    With ``ops.defer_kv_write`` the cache is only read, and the second value is the step's new K/V
-    instead, ``(k, v)`` each ``[layers, T, kv_heads, head_dim]``, for the caller to write with
-    ``kv_cache.write_kv_layers`` in a separate executable that donates the cache: when one
-    executable both read the cache in an unrolled loop and wrote it, XLA:CPU copied the whole pool
-    to keep the reads' operand intact (SmolLM2 batch-1 step: ~90 -> ~57 ms, contended).
+    With ``ops.defer_kv_write`` the layers only read the cache (attention takes each layer's new K/V
+    beside it) and every layer's K/V is written once, after the loop (``write_kv_layers``): XLA:CPU
+    could not order a layer's reads before the next layer's in-place write and copied the pool. The
+    layers must then be looped (scanned or indexed): after an unrolled loop that reads the cache,
+    XLA:CPU copied the whole pool twice to write it (``batching.resolve`` refuses the pair).
 
     The layer loop follows ``config.layer_loop`` (per-layer weights unroll unless it is
     "indexed"): "indexed" scans over layer indices with the matrices left in their per-layer
@@ -137,7 +137,9 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
     logits = ops.project(x, getattr(weights, head), head, jnp.float32)
     if config.final_soft_cap is not None:
         logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
-    return logits, (new_kv if ops.defer_kv_write else kv_cache)
+    if ops.defer_kv_write:
+        kv_cache = write_kv_layers(kv_cache, *new_kv, md.slot_mapping)
+    return logits, kv_cache
 
 
 def first_token_layer(config: ModelConfig, lw: dict, layer: int, x: jax.Array) -> tuple[jax.Array, dict]:

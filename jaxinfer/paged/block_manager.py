@@ -111,6 +111,12 @@ class BlockManager:
             if self.ref_count[p] == 0:
                 self.free[p] = None
 
+    def forget_cached(self) -> None:
+        """Unpublish every page: their contents are no longer what their keys say (the pool was lost)."""
+        for page in self.cached.values():
+            self.page_key[page] = self.page_tokens[page] = None
+        self.cached.clear()
+
     def commit(self, page_table: Sequence[int], token_ids: Sequence[int], num_computed: int,
                done: int = 0, key: int | None = None) -> tuple[int, int | None]:
         """Publish full pages among the first ``num_computed`` tokens (their K/V now exist).

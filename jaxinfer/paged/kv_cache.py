@@ -48,9 +48,8 @@ _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
-    """The cache's element dtype for the ``kv_cache_dtype`` option (``"auto"``: the model's dtype)."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    """The cache's element dtype for the ``kv_cache_dtype`` option (one of ``KV_CACHE_DTYPES``, checked by
+    ``EngineConfig``; ``"auto"``: the model's dtype)."""
     return jnp.dtype({"auto": model_dtype, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype])
 
 

@@ -22,7 +22,8 @@ import time
 from typing import Callable
 
 from jaxinfer.batching.config import EngineConfig
-from jaxinfer.batching.engine import RequestOutput, encode_prompt
+from jaxinfer.batching.engine import encode_prompt
+from jaxinfer.batching.outputs import RequestOutput
 from jaxinfer.models.weights import resolve_model
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import engine_core

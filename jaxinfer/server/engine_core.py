@@ -31,8 +31,9 @@ from typing import NamedTuple
 
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching import multihost
-from jaxinfer.batching.engine import LLMEngine, RequestOutput
-from jaxinfer.batching.replicas import create_engine
+from jaxinfer.batching.engine import LLMEngine
+from jaxinfer.batching.factory import create_engine
+from jaxinfer.batching.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

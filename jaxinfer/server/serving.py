@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxinfer.batching.engine import RequestOutput
+from jaxinfer.batching.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission

@@ -1,4 +1,10 @@
-"""Host-side state of one request as it moves through the scheduler."""
+"""A request's host state as it moves through the engine.
+
+``Request`` fields are written in two places only: ``scheduler.py`` (queues, computed tokens, output
+tokens, finishing) and ``inflight.py`` (the tokens of steps dispatched but not yet read). Everything
+else reads them. A request's KV pages are not here: the scheduler's ``KVCacheManager`` keeps them by
+request id.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,7 @@ import enum
 
 from jaxinfer.sampling_params import SamplingParams
 
-
-SAMPLED = -1  # an in-flight token sampled on device (``Sequence.inflight``)
+SAMPLED = -1  # an in-flight token sampled on device (``Request.inflight``)
 
 
 class Status(enum.Enum):
@@ -18,8 +23,8 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
-class Sequence:
+@dataclasses.dataclass(eq=False)
+class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -31,37 +36,37 @@ class Sequence:
     output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (``finish_reason == "error"``)
 
-    page_table: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at the last admission
-    committed_pages: int = 0  # full pages published to the prefix cache
-    committed_key: int | None = None
     swapped: object = None  # host copy of the pages while swapped out
+    failed_steps: int = 0  # whole steps that failed with this request in them (``Scheduler.recover``)
 
-    # The in-flight protocol. A step is read one step late: the host schedules and dispatches step
-    # N + 1 while step N runs, then reads step N (``LLMEngine.step``). ``inflight`` holds what the
-    # steps dispatched but not yet read add to the sequence if they accept every proposal, oldest
-    # step first: each step's proposals, then ``SAMPLED`` for the token it samples (one per decode
-    # step it runs: ``num_scheduler_steps``; known only on device; the next step feeds the newest from
-    # there: row ``pending_row`` of step ``pending_step``). Reading a step takes its entries off the
-    # front; a step that rejected a proposal takes all of them, so whatever the next step computed
-    # from the rejected proposals is discarded (``LLMEngine._roll_back``).
+    # The in-flight protocol (``inflight.InFlight``): what the steps dispatched but not yet read add
+    # to the request if they accept every proposal, oldest step first: each step's proposals, then
+    # ``SAMPLED`` for each token it samples (known only on device; the next step feeds the newest from
+    # there: row ``pending_row`` of dispatched step number ``pending_step``).
     inflight: list[int] = dataclasses.field(default_factory=list)
     pending_row: int = -1
     pending_step: int = -1
-    # The step in flight must be read before this sequence is scheduled again: its newest in-flight
+    # The step in flight must be read before this request is scheduled again: its newest in-flight
     # token ends the request (max_tokens / length), or it verifies proposals after a verification
-    # that rejected one (``LLMEngine._dispatched``).
+    # that rejected one.
     held: bool = False
     rejected: bool = False  # its last verification rejected a proposal
     # Proposals for the step being scheduled: tokens guessed to follow its known and in-flight tokens,
-    # fed after them and verified in that step (``LLMEngine._read_verified``).
+    # fed after them and verified in that step.
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows (prompt and output; not the in-flight ones)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         """``token_ids[start:end]`` without building the whole list (the hot path feeds one token)."""
@@ -75,13 +80,13 @@ class Sequence:
         where the step in flight samples it: the caller feeds it from the device), then proposals."""
         ids = self.tokens_between(start, start + n)
         if len(ids) < n:
-            known = len(self.prompt_token_ids) + len(self.output_token_ids)
+            known = self.num_known
             ids += self.inflight[max(0, start - known):start + n - known]
             ids += self.draft_token_ids[:n - len(ids)]
         return ids
 
     def assumed_context(self) -> tuple[list[int], int]:
-        """What proposals follow while a step is in flight: the tokens the sequence holds if that step
+        """What proposals follow while a step is in flight: the tokens the request holds if that step
         accepts every proposal (known tokens, then its proposals), and how many tokens sampled on
         device come after them, unknown to the host (0 or 1)."""
         if not self.inflight:
@@ -91,7 +96,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.inflight)
+        return self.num_known + len(self.inflight)
 
     @property
     def num_remaining(self) -> int:
@@ -101,3 +106,8 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_remaining > 1
+
+    @property
+    def penalized(self) -> bool:
+        """Presence or frequency penalties: the step needs every generated token on the host."""
+        return bool(self.params.presence_penalty or self.params.frequency_penalty)

@@ -1,0 +1,117 @@
+"""The output side of the engine: each request's text (incremental detokenization, stop strings
+held back and cut) and the ``RequestOutput`` a step reports for it.
+
+The scheduler appends tokens to requests; as it does, it asks this processor whether the text now
+holds a stop string (``add_token``). The processor owns only text state; a request's tokens, status
+and finish reason are the scheduler's and are only read here. Text is made in the engine (the
+server's engine core too), overlapped with the device step, so streamed text equals ``LLM.generate``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxinfer.batching.request import Request, Status
+from jaxinfer.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state after a step: the whole text so far plus what is new since the last one."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (``finish_reason == "error"``); it failed alone
+
+
+@dataclasses.dataclass
+class _Text:
+    """One request's text: its detokenizer, the text so far, and how much of it was reported."""
+
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` already reported
+    emitted_tokens: int = 0
+    stopped: bool = False  # the text was cut at a stop string: nothing is left to flush
+    num_tokens: int = 0  # output tokens the text was made from
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[str, _Text] = {}
+
+    def add(self, req: Request) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer is not None else None
+        self._texts[req.request_id] = _Text(detok)
+
+    def drop(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)
+
+    def add_token(self, req: Request, token: int) -> bool:
+        """``token`` was appended to ``req``: extend its text; True if the text now holds one of its
+        stop strings (the text is cut before it)."""
+        t = self._texts[req.request_id]
+        t.num_tokens += 1
+        if t.detok is not None:
+            t.text += t.detok.add(token)
+        stops = req.params.stop
+        if stops and self._find_stop(t, stops):
+            t.stopped = True
+        return t.stopped
+
+    def resync(self, req: Request) -> None:
+        """Make ``req``'s text again from its output tokens where a failed step left the two apart (the
+        text had taken a token the request never got); what was reported stays reported."""
+        t = self._texts.get(req.request_id)
+        if t is None or t.num_tokens == len(req.output_token_ids):
+            return
+        fresh = _Text(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer is not None
+                      else None)
+        for token in req.output_token_ids:
+            fresh.num_tokens += 1
+            if fresh.detok is not None:
+                fresh.text += fresh.detok.add(token)
+        fresh.emitted, fresh.emitted_tokens = min(t.emitted, len(fresh.text)), min(t.emitted_tokens, fresh.num_tokens)
+        self._texts[req.request_id] = fresh
+
+    def output(self, req: Request) -> RequestOutput:
+        """What ``req`` has new since its last output (its last, if it finished: the text flushed and
+        the processor's state for it dropped)."""
+        t = self._texts[req.request_id]
+        finished = req.status is Status.FINISHED
+        if finished:
+            del self._texts[req.request_id]
+            if t.detok is not None and not t.stopped and req.finish_reason != "error":
+                t.text += t.detok.flush()  # a character cut off by the end of generation
+        # Hold back a tail that may still turn out to start a stop string.
+        stops = req.params.stop
+        hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
+        visible = max(t.emitted, len(t.text) - hold)
+        delta, t.emitted = t.text[t.emitted:visible], visible
+        new_ids = req.output_token_ids[t.emitted_tokens:]
+        t.emitted_tokens = len(req.output_token_ids)
+        return RequestOutput(req.request_id, req.prompt_token_ids, t.text, list(req.output_token_ids), finished,
+                             req.finish_reason, delta, new_ids,
+                             list(req.output_top_logprobs) if req.params.logprobs is not None else None,
+                             req.num_cached_tokens, req.error)
+
+    @staticmethod
+    def _find_stop(t: _Text, stops: tuple[str, ...]) -> bool:
+        window = max(len(s) for s in stops) + 16
+        start = max(0, min(t.emitted, len(t.text) - window))
+        hits = [i for i in (t.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            t.text = t.text[:min(hits)]
+        return bool(hits)
