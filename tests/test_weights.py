@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 from helpers import all_position_logits  # noqa: E402
 from jaxinfer.models.config import PRESETS  # noqa: E402
+from jaxinfer.models.families import config_to_hf  # noqa: E402
 from jaxinfer.models.weights import (CONVERTED_CONFIG, load_model, resolve_model, save_converted,  # noqa: E402
                                      saved_quantization)
 
@@ -26,7 +27,7 @@ def save_random_hf_llama(preset: str, path, **save_kwargs):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**PRESETS[preset].to_hf_config())).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**config_to_hf(PRESETS[preset]))).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

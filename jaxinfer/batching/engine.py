@@ -28,7 +28,7 @@ from jaxinfer import native
 from jaxinfer.models import sharding
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.weights import load_config, load_model, resolve_model, saved_quantization
-from jaxinfer.models.spec import cpu_matmul_layout
+from jaxinfer.models.spec import cpu_matmul_layout, num_params
 from jaxinfer.paged import cpu_attention
 from jaxinfer.paged.block_manager import BlockManager
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
@@ -155,7 +155,7 @@ class LLMEngine:
         if backend == "cpu" and self.mesh is None:
             weights = cpu_matmul_layout(weights, self.model_config)  # [in, out]: what XLA:CPU's matmuls read
         log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", model, dtype, quantization,
-                 self.model_config.num_params() / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
+                 num_params(self.model_config) / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
                  time.perf_counter() - t0)
         self.tokenizer = load_tokenizer(self.source)
         mc = self.model_config

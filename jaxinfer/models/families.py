@@ -11,6 +11,7 @@ Registry keys are HF ``architectures[0]`` (or ``model_type``) and GGUF ``general
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 from jaxinfer.models.config import ModelConfig, RopeScaling
@@ -171,7 +172,6 @@ def _rope_scaling(rope: dict, cfg: dict) -> RopeScaling | None:
         factor = cfg.get("max_position_embeddings", orig) / orig
         af = rope.get("attention_factor")
         if af is None:
-            import math
             af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         return RopeScaling(factor=factor, original_max_position_embeddings=orig, kind="longrope",
                            short_factor=tuple(map(float, rope["short_factor"])),
@@ -330,3 +330,18 @@ def family_for_gguf(md: dict) -> Family:
             return f
     raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
                      f"{', '.join(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch)}")
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """The ModelConfig of a Hugging Face ``config.json`` (decoded), by its family."""
+    return family_for_hf(cfg).config_from_hf(cfg)
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """The equivalent Hugging Face config dict (what builds the transformers oracle of a config)."""
+    return FAMILIES[config.architecture].config_to_hf(config)
+
+
+def config_from_gguf(md: dict) -> ModelConfig:
+    """The ModelConfig of GGUF key/value metadata (decoded to Python values), by its family."""
+    return family_for_gguf(md).config_from_gguf(md)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig, RopeScaling
-from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, family_for_gguf
+from jaxinfer.models.families import FAMILIES, GGUF_GLOBALS, HF_GLOBALS, config_from_gguf, config_from_hf, family_for_gguf
 from jaxinfer.models.decoder import first_token_layer
 from jaxinfer.models.layers import fold_norm, rms_norm
 from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
@@ -116,7 +116,7 @@ def load_config(source: ModelSource) -> ModelConfig:
         return PRESETS[source.preset]
     if source.kind == "hf":
         with open(os.path.join(source.path, "config.json")) as f:
-            return ModelConfig.from_hf_config(json.load(f))
+            return config_from_hf(json.load(f))
     if source.kind == "gguf":
         cached = os.path.join(derived_from(source.path, "gguf"), "config.json")
         if os.path.isfile(cached):
@@ -586,7 +586,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     if "rope_factors_long.weight" in tensors:
         raise ValueError("GGUF files with LongRoPE factors (Phi-3 128k) are not supported; "
                          "load the Hugging Face checkpoint instead")
-    return ModelConfig.from_gguf_metadata(md)
+    return config_from_gguf(md)
 
 
 def _dequantized_gguf(path: str, config: ModelConfig) -> Weights:
