@@ -24,7 +24,7 @@ from jaxinfer import native
 from jaxinfer.models import layers
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.quant import QArray, check_device_supports, concat, dequantize, quantize, to_device
-from jaxinfer.quant import gguf as gguf_blocks
+from jaxinfer.quant import gguf_blocks
 from jaxinfer.pallas_kernels import qmatvec
 from jaxinfer.quant import cpu_kernel, matmul
 from jaxinfer.quant.matmul import fp8_activations

@@ -7,7 +7,7 @@ stacked experts, Q/K in HF rotate-half head order), cast to the target dtype one
 a load never holds more than one extra copy.
 
 Quantization (``quantization``): ``"gguf"`` keeps a GGUF file's quantized matmul weights and
-embedding in their own blocks (``jaxinfer.quant.gguf``; norm gains stay explicit as the blocks'
+embedding in their own blocks (``jaxinfer.quant.gguf_blocks``; norm gains stay explicit as the blocks'
 ``col_scale``); a scheme of ``jaxinfer.quant.SCHEMES`` quantizes the spec's ``quantizable`` leaves of
 float weights from any source (after the norms are folded into them), one leaf at a time on the device.
 int4 loads from GGUF and safetensors also follow the first token through the float layers and weigh
@@ -43,7 +43,7 @@ from jaxinfer.models.layers import fold_norm, rms_norm
 from jaxinfer.models.spec import Weights, abstract_weights, arrange_layers, check_shapes, init_dummy_weights, param_spec
 from jaxinfer.quant import (SCHEMES, QArray, check_device_supports, concat, map_rows, parse_scheme,
                             quantize, to_device, with_col_scale)
-from jaxinfer.quant import gguf as gguf_blocks
+from jaxinfer.quant import gguf_blocks
 from jaxinfer.user_cache import derived_from, write_cache
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -483,7 +483,7 @@ def gguf_file(path: str) -> GGUFFile:
     tokenizer loading all need it. Parsed here, not by gguf's ``GGUFReader``, which makes a numpy view
     of every part of every field: 2.2 s for SmolLM2 (its 49,152-token vocabulary and 48,900 merges),
     over a quarter of the server's restart; this takes a tenth of that. The tensors' layout follows
-    ``GGUFReader`` (what ``gguf.quants.dequantize`` and ``quant.gguf.from_gguf`` take)."""
+    ``GGUFReader`` (what ``gguf.quants.dequantize`` and ``quant.gguf_blocks.from_gguf`` take)."""
     import struct
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
