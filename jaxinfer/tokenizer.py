@@ -9,7 +9,8 @@ import numbers
 import os
 from typing import Sequence
 
-from jaxinfer.models.weights import ModelSource, gguf_file
+from jaxinfer.models.weights import ModelSource
+from jaxinfer.models.weights.gguf_file import gguf_file
 from jaxinfer.user_cache import derived_from
 
 log = logging.getLogger(__name__)

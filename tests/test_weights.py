@@ -14,8 +14,8 @@ import torch  # noqa: E402
 from helpers import all_position_logits  # noqa: E402
 from jaxinfer.models.config import PRESETS  # noqa: E402
 from jaxinfer.models.families import config_to_hf  # noqa: E402
-from jaxinfer.models.weights import (CONVERTED_CONFIG, load_model, resolve_model, save_converted,  # noqa: E402
-                                     saved_quantization)
+from jaxinfer.models.weights import load_model, resolve_model, save_converted, saved_quantization  # noqa: E402
+from jaxinfer.models.weights.source import CONVERTED_CONFIG  # noqa: E402
 
 def rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -115,7 +115,7 @@ def _reader_metadata(reader) -> dict:
 def _check_gguf_file_equals_reader(path):
     from gguf import GGUFReader
 
-    from jaxinfer.models.weights import gguf_file
+    from jaxinfer.models.weights.gguf_file import gguf_file
 
     gguf_file.cache_clear()
     ours, reader = gguf_file(str(path)), GGUFReader(str(path))
@@ -164,7 +164,7 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     writer.close()
     md = _check_gguf_file_equals_reader(path).metadata
     assert md["t.strs"] == ["a", "", "ünïcode"] and md["t.i64"] == -2 ** 40 and md["t.bool"] is True
-    from jaxinfer.models.weights import gguf_file
+    from jaxinfer.models.weights.gguf_file import gguf_file
     data = path.read_bytes()
     in_array = data.index(b"t.ints") + len("t.ints") + 4 + 12 + 4  # key, its type, element type and count, one int
     for name, content, error in [("not.gguf", b"GGML" + bytes(60), "not a GGUF file"),
@@ -321,7 +321,7 @@ def test_config_that_disagrees_with_tensors(tmp_path):
 def test_gguf_float32_weights_and_config_come_back_from_the_user_cache(tmp_path, monkeypatch):
     """A GGUF dequantized once is kept (config and float32 arrays) and read back identically, without
     parsing the file again (start-up, issue 22)."""
-    from jaxinfer.models import weights as weights_module
+    from jaxinfer.models.weights import gguf as weights_module
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, first = load_model("smollm2-135m", layer_loop="indexed")
     assert list(tmp_path.glob("jaxinfer/gguf/*/float32/0.npy")) and list(tmp_path.glob("jaxinfer/gguf/*/config.json"))

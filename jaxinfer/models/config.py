@@ -139,6 +139,23 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def to_dict(self) -> dict:
+        """The config as JSON values (the user cache's ``config.json``, a converted checkpoint's)."""
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """The config ``to_dict`` wrote: JSON lists back to the (hashable) tuples the fields hold."""
+        def tuples(x):
+            return {k: tuple(v) if isinstance(v, list) else v for k, v in x.items()}
+
+        d = tuples(d)
+        if d["rope_scaling"] is not None:
+            d["rope_scaling"] = RopeScaling(**tuples(d["rope_scaling"]))
+        return cls(**d)
+
 
 _LLAMA3_EOS = (128001, 128008, 128009)
 

@@ -3,7 +3,7 @@
 A family is what differs between checkpoints of the same decoder: how its Hugging Face
 ``config.json`` and its GGUF metadata map to ``ModelConfig`` (refusing fields it cannot honour), and
 the names of its tensors in both formats (mapped to the canonical parts the loaders assemble, see
-``weights.py``). The layers themselves are shared (``decoder.py``), chosen by the config's fields.
+``weights/assemble.py``). The layers themselves are shared (``decoder.py``), chosen by the config's fields.
 
 Registry keys are HF ``architectures[0]`` (or ``model_type``) and GGUF ``general.architecture``.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 
 from jaxinfer.models.config import ModelConfig, RopeScaling
 
-# Canonical per-layer part names (weights.py assembles them into the spec's leaves):
+# Canonical per-layer part names (weights/assemble.py assembles them into the spec's leaves):
 #   q k v qkv q_bias k_bias v_bias q_norm k_norm o attn_norm mlp_norm post_attn_norm post_mlp_norm
 #   gate up gate_up down router expert{e}_gate expert{e}_up expert{e}_down experts_gate experts_up
 #   experts_down shared_gate shared_up shared_down shared_expert_gate

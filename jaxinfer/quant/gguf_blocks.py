@@ -16,7 +16,7 @@ Each block type's fields are read the way ``gguf.quants`` reads them and kept as
 so every decoded weight is bit-identical to ``gguf.quants.dequantize``'s (tests/test_quant.py).
 
 Only the block encodings live here, the quantization layer's part; the file they come in (header,
-metadata, tensor index) is read by ``models/weights.py``, hence the name: not ``gguf``, which is
+metadata, tensor index) is ``models/weights/gguf_file.py``, hence the name: not ``gguf``, which is
 also the PyPI package both modules import.
 """
 
