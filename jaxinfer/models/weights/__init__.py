@@ -1,7 +1,8 @@
 """Model loading: a model id resolved to its source, its config, and its weights, from whichever
 format the source is, one module each:
 
-- ``source``: a preset name or path -> ``ModelSource``;
+- ``source``: a preset name or path -> ``ModelSource``; ``ModelFileError``, the one error of a
+  model file that cannot be read (``"<path>: <cause>"``);
 - ``gguf_file``: the GGUF file format (header, metadata, tensors; config from metadata), which the
   tokenizer reads too; ``gguf``: its tensors into weights, and what the user cache keeps of them;
 - ``hf``: Hugging Face ``config.json`` and ``*.safetensors``;
@@ -41,11 +42,11 @@ from jaxinfer.models.weights.converted import (converted_config, quantize_weight
                                                save_converted, saved_quantization)
 from jaxinfer.models.weights.gguf import cached_gguf_config, dequantized_gguf, load_gguf
 from jaxinfer.models.weights.hf import hf_config, load_hf
-from jaxinfer.models.weights.source import ModelSource, resolve_model
+from jaxinfer.models.weights.source import ModelFileError, ModelSource, resolve_model
 from jaxinfer.quant import SCHEMES, check_device_supports, parse_scheme, quantize
 
-__all__ = ["LOAD_FORMATS", "QUANTIZATIONS", "ModelSource", "load_config", "load_model", "resolve_model",
-           "save_converted", "saved_quantization"]
+__all__ = ["LOAD_FORMATS", "QUANTIZATIONS", "ModelFileError", "ModelSource", "load_config", "load_model",
+           "resolve_model", "save_converted", "saved_quantization"]
 
 LOAD_FORMATS = ("auto", "dummy")
 # "none": full precision; "gguf": a GGUF file's blocks as they are; the rest: quantized at load.

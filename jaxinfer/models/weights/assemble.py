@@ -17,6 +17,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import first_token_layer
 from jaxinfer.models.layers import fold_norm, rms_norm
 from jaxinfer.models.spec import Weights, check_shapes, param_spec
+from jaxinfer.models.weights.source import ModelFileError
 from jaxinfer.quant import QArray, concat, parse_scheme, quantize, to_device, with_col_scale
 
 # How much the first token's activations weigh the int4 grid search
@@ -49,8 +50,9 @@ class Assembler:
     _NORMS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 
     def __init__(self, config: ModelConfig, dtype: np.dtype, norm_offset: float = 0.0, mesh: Mesh | None = None,
-                 scheme: str | None = None):
+                 scheme: str | None = None, source: str = "checkpoint"):
         self.config, self.dtype, self.norm_offset, self.mesh, self.scheme = config, dtype, norm_offset, mesh, scheme
+        self.source = source  # the file or directory the tensors come from, for errors
         self.pending: list[dict[str, np.ndarray]] = [{} for _ in range(config.num_layers)]
         self.layers: list[dict | None] = [None] * config.num_layers
         self.globals: dict[str, jax.Array] = {}
@@ -92,7 +94,8 @@ class Assembler:
         spec = param_spec(self.config)
         want = (spec.globals if is_global else spec.layer)[name].shape
         if x.shape != want:
-            raise ValueError(f"checkpoint tensors do not match the model config: {name}: {x.shape} != {want}")
+            raise ModelFileError(self.source, f"checkpoint tensors do not match the model config: {name}: "
+                                 f"{x.shape} != {want}")
         return sharding.place_host_leaf(name, x, self.config, self.mesh, is_global)
 
     def put_global(self, name: str, array: np.ndarray) -> None:
@@ -107,7 +110,8 @@ class Assembler:
 
     def put_layer(self, layer: int, part: str, array: np.ndarray) -> None:
         if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"tensor for layer {layer} but the config has {self.config.num_layers} layers")
+            raise ModelFileError(self.source, f"a tensor for layer {layer}, but the config has "
+                                 f"{self.config.num_layers} layers")
         if part in self._NORMS:
             array = np.asarray(array, np.float32) + self.norm_offset
         self.pending[layer][part] = array if isinstance(array, QArray) else np.asarray(array)
@@ -228,10 +232,13 @@ class Assembler:
         needed = ["embed", "final_norm"] + ([] if self.config.tie_word_embeddings else ["lm_head"])
         missing += [g for g in needed if g not in self.globals]
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+            raise ModelFileError(self.source, f"checkpoint is missing weights: {', '.join(missing[:8])}")
         weights = Weights(embed=self.globals["embed"], layers=self.layers, final_norm=self.globals["final_norm"],
                           lm_head=None if self.config.tie_word_embeddings else self.globals["lm_head"])
         if self.mesh is None:  # over a mesh, each leaf was checked as it was placed (``_place``)
-            check_shapes(weights, self.config)
+            try:
+                check_shapes(weights, self.config)
+            except ValueError as e:
+                raise ModelFileError(self.source, str(e)) from None
         return weights
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import Weights, abstract_weights, param_spec
-from jaxinfer.models.weights.source import CONVERTED_CONFIG
+from jaxinfer.models.weights.source import CONVERTED_CONFIG, ModelFileError, blamed_on, read_json
 from jaxinfer.quant import QArray, gguf_blocks, quantize
 
 CONVERTED_LAYOUT = 4  # 2: RMSNorm weights folded into the projections after them; 3: [out, in]; 4: layers as dicts (spec.py)
@@ -27,8 +27,10 @@ CONVERTED_LAYOUT = 4  # 2: RMSNorm weights folded into the projections after the
 
 def converted_config(path: str) -> ModelConfig:
     """The ModelConfig a converted directory was saved with."""
-    with open(os.path.join(path, CONVERTED_CONFIG)) as f:
-        return ModelConfig.from_dict(json.load(f)["config"])
+    meta_file = os.path.join(path, CONVERTED_CONFIG)
+    meta = read_json(meta_file)
+    with blamed_on(meta_file):
+        return ModelConfig.from_dict(meta["config"])
 
 
 def saved_quantization(source) -> str:
@@ -36,8 +38,7 @@ def saved_quantization(source) -> str:
     for float weights and for every other ``ModelSource``)."""
     if source.kind != "orbax":
         return "none"
-    with open(os.path.join(source.path, CONVERTED_CONFIG)) as f:
-        return json.load(f).get("quantization", "none")
+    return read_json(os.path.join(source.path, CONVERTED_CONFIG)).get("quantization", "none")
 
 
 def save_converted(weights: Weights, config: ModelConfig, path: str) -> None:
@@ -91,12 +92,12 @@ def restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights:
     straight into its shards (orbax reads each device's slice)."""
     import orbax.checkpoint as ocp
 
-    with open(os.path.join(path, CONVERTED_CONFIG)) as f:
-        meta = json.load(f)
+    meta_file = os.path.join(path, CONVERTED_CONFIG)
+    meta = read_json(meta_file)
     if meta.get("layout") != CONVERTED_LAYOUT:
-        raise ValueError(f"{path} was converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
-                         f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
-    saved = ModelConfig.from_dict(meta["config"])
+        raise ModelFileError(meta_file, f"converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
+                             f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
+    saved = converted_config(path)
     quantized = meta.get("quantized", {})
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -112,9 +113,16 @@ def restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights:
                   for k, f in q["fields"].items()}  # codes, scales, offsets: as saved
         return QArray(**fields, scheme=q["scheme"], group_size=q["group_size"])
 
-    abstract = jax.tree_util.tree_map_with_path(leaf, abstract_weights(saved), shardings)
-    with ocp.StandardCheckpointer() as ckpt:
-        return ckpt.restore(os.path.join(path, "weights"), abstract)
+    with blamed_on(meta_file):  # its entries for the quantized leaves
+        abstract = jax.tree_util.tree_map_with_path(leaf, abstract_weights(saved), shardings)
+    weights_dir = os.path.join(path, "weights")
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore(weights_dir, abstract)
+    except (OSError, ValueError) as e:  # missing or cut-short array files, a tree the JSON does not describe
+        cause = str(e).strip().splitlines()
+        raise ModelFileError(weights_dir, f"unreadable orbax checkpoint ({type(e).__name__}: "
+                             f"{cause[0] if cause else 'no message'})") from None
 
 
 def quantize_weights(weights: Weights, config: ModelConfig, scheme: str) -> Weights:

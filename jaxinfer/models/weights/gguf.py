@@ -24,6 +24,7 @@ from jaxinfer.models.families import GGUF_GLOBALS, family_for_gguf
 from jaxinfer.models.spec import Weights, abstract_weights, check_shapes
 from jaxinfer.models.weights.assemble import Assembler
 from jaxinfer.models.weights.gguf_file import CONFIG_TENSORS, gguf_config, gguf_file
+from jaxinfer.models.weights.source import ModelFileError
 from jaxinfer.quant import gguf_blocks, map_rows
 from jaxinfer.user_cache import derived_from, write_cache
 
@@ -90,7 +91,7 @@ def load_gguf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None
 
     gguf = gguf_file(path)
     family = family_for_gguf(gguf.metadata)
-    out = Assembler(config, dtype, mesh=mesh, scheme=scheme)
+    out = Assembler(config, dtype, mesh=mesh, scheme=scheme, source=path)
 
     def read(t, part):
         # numpy shape is GGUF's reversed: [out, in] ([E, out, in])
@@ -107,7 +108,7 @@ def load_gguf(path: str, config: ModelConfig, dtype: np.dtype, mesh: Mesh | None
         m = _LAYER_RE.fullmatch(t.name)
         part = family.gguf_layer.get(m.group(2)) if m else None
         if part is None:
-            raise ValueError(f"unexpected GGUF tensor {t.name!r} in {path} for architecture {family.name!r}")
+            raise ModelFileError(path, f"unexpected GGUF tensor {t.name!r} for architecture {family.name!r}")
         w = read(t, part)
         if part == "shared_expert_gate":
             w = w.reshape(1, -1)

