@@ -9,7 +9,8 @@ import numbers
 import os
 from typing import Sequence
 
-from jaxinfer.models.weights import ModelSource, gguf_file
+from jaxinfer.models.weights import ModelSource
+from jaxinfer.models.weights.gguf_file import gguf_file
 from jaxinfer.user_cache import derived_from
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,16 @@ def _locked(path: str):
 
 
 def _convert_gguf_tokenizer(source: ModelSource, cached: str):
-    """transformers' tokenizer converted from the GGUF's vocabulary, saved at ``cached``."""
+    """transformers' tokenizer converted from the GGUF's vocabulary, saved at ``cached``. The file is
+    read by ``gguf_file`` first: transformers' reader fails on a file cut short with a bare
+    ``struct.error`` or numpy's reshape error, naming neither the file nor the cause."""
     from transformers import AutoTokenizer
 
+    gguf = gguf_file(source.path)  # a ModelFileError for a bad file, before transformers reads it
     tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path),
                                         local_files_only=True)
     if not tok.chat_template:
-        template = gguf_file(source.path).metadata.get("tokenizer.chat_template")
+        template = gguf.metadata.get("tokenizer.chat_template")
         if template:
             tok.chat_template = template
     try:

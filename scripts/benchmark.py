@@ -321,6 +321,8 @@ def decode(results):
 
 def throughput(results, flops):
     import jax
+
+    from jaxinfer.models.spec import num_params
     n, seqs, budget = F.throughput_requests, F.throughput_max_num_seqs, F.throughput_max_num_batched_tokens
     tokens = sorted({int(b) for b in F.throughput_token_buckets}
                     or {seqs, budget} | {b for b in (1024, 2048, 4096) if b < budget})
@@ -334,7 +336,7 @@ def throughput(results, flops):
     wall, ttft, tpot, produced = run_requests(llm, prompts, [256] * n)
     compilations = llm.engine.num_compilations - compiled
     out_tok_s = produced / wall
-    flops_per_tok = 2 * (mc.num_params() - mc.vocab_size * mc.hidden_size * (not mc.tie_word_embeddings))
+    flops_per_tok = 2 * (num_params(mc) - mc.vocab_size * mc.hidden_size * (not mc.tie_word_embeddings))
     stats = llm.engine.stats()
     dev = jax.devices()[0]
     mem = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
@@ -394,7 +396,8 @@ def _hf_generate(preset: str, batch_sizes: list[int], new_tokens: int) -> dict:
     import torch
     import transformers
     from jaxinfer.models.config import PRESETS
-    cfg = transformers.LlamaConfig(**PRESETS[preset].to_hf_config())
+    from jaxinfer.models.families import config_to_hf
+    cfg = transformers.LlamaConfig(**config_to_hf(PRESETS[preset]))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

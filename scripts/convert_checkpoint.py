@@ -18,6 +18,7 @@ from absl import app, flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from jaxinfer.models.spec import num_params  # noqa: E402
 from jaxinfer.models.weights import QUANTIZATIONS, load_model, resolve_model, save_converted  # noqa: E402
 from jaxinfer.tokenizer import CONVERTED_TOKENIZER_DIR, load_tokenizer  # noqa: E402
 
@@ -41,7 +42,7 @@ def main(argv):
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(OUTPUT.value, CONVERTED_TOKENIZER_DIR))
     nbytes = sum(x.nbytes for x in jax.tree.leaves(weights))
-    print(f"wrote {OUTPUT.value} ({config.num_params() / 1e6:.1f}M params, {DTYPE.value}, "
+    print(f"wrote {OUTPUT.value} ({num_params(config) / 1e6:.1f}M params, {DTYPE.value}, "
           f"quantization {QUANTIZATION.value}, {nbytes / 1e6:.1f} MB of weights)")
 
 

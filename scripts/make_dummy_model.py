@@ -28,6 +28,8 @@ F = flags.FLAGS
 def main(argv):
     del argv
     from jaxinfer.models.config import PRESETS
+    from jaxinfer.models.families import config_to_hf
+    from jaxinfer.models.spec import num_params
     from jaxinfer.models.weights import resolve_model
     from jaxinfer.tokenizer import load_tokenizer
 
@@ -42,11 +44,11 @@ def main(argv):
                           head_dim=F.hidden_size // heads, intermediate_size=F.intermediate_size or 4 * F.hidden_size)
     os.makedirs(F.out, exist_ok=True)
     with open(os.path.join(F.out, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_config(), f, indent=2)
+        json.dump(config_to_hf(cfg), f, indent=2)
     tokenizer.save_pretrained(F.out)
     with open(os.path.join(F.out, "model.safetensors"), "wb") as f:  # an empty safetensors file: {} header
         f.write((2).to_bytes(8, "little") + b"{}")
-    print(f"wrote {F.out}: {F.shapes} shapes ({cfg.num_params() / 1e6:.0f}M params), vocab {cfg.vocab_size}")
+    print(f"wrote {F.out}: {F.shapes} shapes ({num_params(cfg) / 1e6:.0f}M params), vocab {cfg.vocab_size}")
 
 
 if __name__ == "__main__":

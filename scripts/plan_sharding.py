@@ -45,6 +45,7 @@ def main(argv):
     from jaxinfer.batching.model_runner import ModelRunner
     from jaxinfer.batching.resolve import DeviceFacts, ModelFacts, resolve
     from jaxinfer.models import sharding
+    from jaxinfer.models.spec import num_params
     from jaxinfer.models.weights import load_config, resolve_model
     from jaxinfer.paged.kv_cache import KVCache
 
@@ -80,7 +81,7 @@ def main(argv):
     weight_bytes, kv_bytes = per_device(weights), per_device(cache)
     report = dict(
         model=F.model, tensor_parallel=F.tensor_parallel, dtype=F.dtype, backend=jax.default_backend(),
-        num_params=config.num_params(), weight_bytes_total=config.num_params() * dtype.itemsize,
+        num_params=num_params(config), weight_bytes_total=num_params(config) * dtype.itemsize,
         weight_bytes_per_device=weight_bytes, kv_bytes_per_device=kv_bytes,
         kv_tokens=F.num_pages * F.page_size, step=dict(tokens=t, seqs=s, pages_per_seq=p),
         compile_seconds=round(seconds, 1),

@@ -24,7 +24,7 @@ from jaxinfer import native
 from jaxinfer.models import layers
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.quant import QArray, check_device_supports, concat, dequantize, quantize, to_device
-from jaxinfer.quant import gguf as gguf_blocks
+from jaxinfer.quant import gguf_blocks
 from jaxinfer.pallas_kernels import qmatvec
 from jaxinfer.quant import cpu_kernel, matmul
 from jaxinfer.quant.matmul import fp8_activations
@@ -427,7 +427,7 @@ def test_int4_importance_weighs_the_grid_search():
     on_grid = gguf_dequantize(gguf_quantize(w, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
     for importance in (rng.uniform(0.1, 100.0, (64, 512)), np.where(rng.uniform(size=512) < 0.02, 1e3, 1.0)):
         got = dequantize(quantize(jnp.asarray(on_grid), "int4-g32", jnp.asarray(importance, jnp.float32)))
-        np.testing.assert_array_equal(np.asarray(got), on_grid)  # 1e3: models.weights.SINK_WEIGHT_MAX
+        np.testing.assert_array_equal(np.asarray(got), on_grid)  # 1e3: models.weights.assemble.SINK_WEIGHT_MAX
     c = np.ones(512, np.float32)
     c[5::64] = 500.0  # one column in each group of 64
     plain = np.asarray(dequantize(quantize(jnp.asarray(w), "int4-g64"))) - w
@@ -583,7 +583,7 @@ def test_int4_loader_follows_the_first_token_in_layer_order():
     the file gives them (Hugging Face shards sort ``layers.10`` before ``layers.2``); the first
     token's attention input reaches the key/value rows' grid search (they differ from an
     unweighted search's), and the result is the same for any arrival order."""
-    from jaxinfer.models.weights import _Assembler
+    from jaxinfer.models.weights.assemble import Assembler
 
     config = dataclasses.replace(DENSE, qkv_bias=False, post_norms=False, sliding_window=None, sliding_layers=None,
                                  tie_word_embeddings=True)
@@ -597,7 +597,7 @@ def test_int4_loader_follows_the_first_token_in_layer_order():
             "final_norm": np.ones(d, np.float32)}
 
     def load(order, embed_first):
-        out = _Assembler(config, np.float32, scheme="int4-g32")
+        out = Assembler(config, np.float32, scheme="int4-g32")
         if embed_first:
             out.put_global("embed", glob["embed"])
         for i in order:
@@ -673,7 +673,8 @@ def test_dummy_weights_are_quantized_leaf_by_leaf(monkeypatch):
     holds the whole float model next to the quantized one: the allocator hole that left the KV pool
     no contiguous room on the H200), and gets exactly what quantizing the finished float weights gives."""
     from jaxinfer.models.spec import init_dummy_weights
-    from jaxinfer.models.weights import load_model, quantize_weights
+    from jaxinfer.models.weights import load_model
+    from jaxinfer.models.weights.converted import quantize_weights
 
     config, got = load_model("tiny-llama3", load_format="dummy", quantization="int8", seed=3, layer_loop="unroll")
     want = quantize_weights(init_dummy_weights(config, jax.random.key(3), jnp.float32), config, "int8")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -13,8 +14,10 @@ import torch  # noqa: E402
 
 from helpers import all_position_logits  # noqa: E402
 from jaxinfer.models.config import PRESETS  # noqa: E402
-from jaxinfer.models.weights import (CONVERTED_CONFIG, load_model, resolve_model, save_converted,  # noqa: E402
+from jaxinfer.models.families import config_to_hf  # noqa: E402
+from jaxinfer.models.weights import (ModelFileError, load_model, resolve_model, save_converted,  # noqa: E402
                                      saved_quantization)
+from jaxinfer.models.weights.source import CONVERTED_CONFIG  # noqa: E402
 
 def rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -26,7 +29,7 @@ def save_random_hf_llama(preset: str, path, **save_kwargs):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**PRESETS[preset].to_hf_config())).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**config_to_hf(PRESETS[preset]))).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
@@ -93,6 +96,14 @@ def _llama_cpp_rope_factors(config) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
+def _write_gguf(writer) -> None:
+    """A ``gguf.GGUFWriter``'s header, key/values and tensors written out, in the order it requires."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _reader_metadata(reader) -> dict:
     """gguf's own ``GGUFReader`` fields decoded to Python values: the oracle for ``gguf_file``."""
     from gguf import GGUFValueType
@@ -114,7 +125,7 @@ def _reader_metadata(reader) -> dict:
 def _check_gguf_file_equals_reader(path):
     from gguf import GGUFReader
 
-    from jaxinfer.models.weights import gguf_file
+    from jaxinfer.models.weights.gguf_file import gguf_file
 
     gguf_file.cache_clear()
     ours, reader = gguf_file(str(path)), GGUFReader(str(path))
@@ -157,13 +168,10 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     writer.add_tensor("f16", rng.standard_normal((2, 4, 6)).astype(np.float16))
     q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
     writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_gguf(writer)
     md = _check_gguf_file_equals_reader(path).metadata
     assert md["t.strs"] == ["a", "", "ünïcode"] and md["t.i64"] == -2 ** 40 and md["t.bool"] is True
-    from jaxinfer.models.weights import gguf_file
+    from jaxinfer.models.weights.gguf_file import gguf_file
     data = path.read_bytes()
     in_array = data.index(b"t.ints") + len("t.ints") + 4 + 12 + 4  # key, its type, element type and count, one int
     for name, content, error in [("not.gguf", b"GGML" + bytes(60), "not a GGUF file"),
@@ -211,10 +219,7 @@ def test_llama31_gguf_with_rope_freqs_matches_transformers(tmp_path):
             if gguf_name in ("attn_q", "attn_k"):
                 w = permute(w, preset.num_heads if gguf_name == "attn_q" else preset.num_kv_heads)
             writer.add_tensor(f"blk.{i}.{gguf_name}.weight", w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_gguf(writer)
 
     config, weights = load_model(path)
     assert config.rope_scaling is None and config.rope_freq_factors is not None
@@ -309,6 +314,100 @@ def test_errors(tmp_path):
         load_model("tiny-llama3", load_format="dummy", dtype="int32")
 
 
+def _model_file_error(model, message: str, load=None):
+    """Loading ``model`` fails with one ``ModelFileError`` whose one-line message is ``message``
+    (a regex) after the bad file's path; returns that message."""
+    with pytest.raises(ModelFileError) as e:
+        (load or load_model)(str(model))
+    assert "\n" not in str(e.value), str(e.value)
+    assert re.fullmatch(message, e.value.cause), str(e.value)
+    assert str(e.value) == f"{e.value.path}: {e.value.cause}"
+    return e.value
+
+
+def test_a_truncated_gguf_is_named_with_its_cause(tmp_path, monkeypatch):
+    """The embedded GGUF cut short, in its tensor data or its header, or below its fixed header:
+    the weights and the tokenizer (whose transformers reader gave a bare ``struct.error``) name it."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = open(resolve_model("smollm2-135m").path, "rb").read()
+    for size, message in [(len(data) // 2, rf"truncated: the file ends at byte {len(data) // 2} of {len(data)} "
+                                            r"expected; tensor 'blk\.\d+\.\w+\.weight' \(\d+ bytes at byte \d+\) "
+                                            r"runs past the end of the file"),
+                          (1000, r"truncated or corrupt GGUF header: the name of key \d+ \(\d+ bytes at byte \d+\) "
+                                 r"runs past the end of the file \(1000 bytes\)"),
+                          (10, r"truncated: 10 bytes, shorter than GGUF's 24-byte header")]:
+        path = tmp_path / f"cut{size}.gguf"
+        path.write_bytes(data[:size])
+        assert _model_file_error(path, message).path == str(path)
+        _model_file_error(path, message, lambda p: load_tokenizer(resolve_model(p)))
+
+
+def test_a_gguf_of_an_unknown_architecture_is_named(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(str(path), "mamba")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    _write_gguf(writer)
+    assert _model_file_error(path, r"unsupported GGUF architecture 'mamba'; supported: llama, .*").path == str(path)
+
+
+def test_a_bad_safetensors_checkpoint_is_named_with_its_cause(tmp_path):
+    """Garbage for a shard, a shard cut short, config.json missing, not JSON or lacking a field, and
+    an index naming a shard that is not there: each one line naming the file."""
+    good = tmp_path / "good"
+    save_random_hf_llama("tiny-llama-tied", good)
+    weights = (good / "model.safetensors").read_bytes()
+    config = (good / "config.json").read_text()
+
+    def model(name, files):
+        path = tmp_path / name
+        path.mkdir()
+        for file, content in files.items():
+            (path / file).write_bytes(content.encode() if isinstance(content, str) else content)
+        return path
+
+    garbage = model("garbage", {"config.json": config, "model.safetensors": bytes(range(256)) * 4})
+    e = _model_file_error(garbage, r"not a safetensors file \(header length 0x[0-9a-f]+ exceeds the file size, "
+                                   r"1024 bytes\)")
+    assert e.path == str(garbage / "model.safetensors")
+    cut = model("cut", {"config.json": config, "model.safetensors": weights[:len(weights) - 100]})
+    e = _model_file_error(cut, rf"truncated: the tensor data ends at byte {len(weights) - 100} of {len(weights)} "
+                               r"expected \(tensor '.+' runs past the end of the file\)")
+    assert e.path == str(cut / "model.safetensors")
+    no_config = model("no_config", {"model.safetensors": weights})
+    e = _model_file_error(no_config, r"missing: a Hugging Face model directory needs it beside its \*\.safetensors")
+    assert e.path == str(no_config / "config.json")
+    e = _model_file_error(model("empty", {}), r"not a model directory: no config\.json and \*\.safetensors "
+                                             r"\(Hugging Face\), no jaxinfer_config\.json .*")
+    assert e.path == str(tmp_path / "empty")
+    not_json = model("not_json", {"config.json": config[:-20], "model.safetensors": weights})
+    e = _model_file_error(not_json, r"not valid JSON \(.*\)")
+    assert e.path == str(not_json / "config.json")
+    no_heads = {k: v for k, v in json.loads(config).items() if k != "num_attention_heads"}
+    e = _model_file_error(model("no_heads", {"config.json": json.dumps(no_heads), "model.safetensors": weights}),
+                          r"'num_attention_heads' is missing")
+    assert e.path.endswith("no_heads/config.json")
+
+    sharded = tmp_path / "sharded"
+    save_random_hf_llama("tiny-llama3", sharded, max_shard_size="40KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    shards[-1].unlink()
+    e = _model_file_error(sharded, rf"its weight_map names 1 shard\(s\) that are missing: {shards[-1].name}")
+    assert e.path == str(sharded / "model.safetensors.index.json")
+
+
+def test_a_bad_converted_checkpoint_is_named(tmp_path):
+    config, weights = load_model("tiny-llama3", load_format="dummy")
+    save_converted(weights, config, str(tmp_path))
+    (tmp_path / CONVERTED_CONFIG).write_text("{")
+    e = _model_file_error(tmp_path, r"not valid JSON \(.*\)")
+    assert e.path == str(tmp_path / CONVERTED_CONFIG)
+
+
 def test_config_that_disagrees_with_tensors(tmp_path):
     save_random_hf_llama("tiny-llama-tied", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -320,7 +419,7 @@ def test_config_that_disagrees_with_tensors(tmp_path):
 def test_gguf_float32_weights_and_config_come_back_from_the_user_cache(tmp_path, monkeypatch):
     """A GGUF dequantized once is kept (config and float32 arrays) and read back identically, without
     parsing the file again (start-up, issue 22)."""
-    from jaxinfer.models import weights as weights_module
+    from jaxinfer.models.weights import gguf as weights_module
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, first = load_model("smollm2-135m", layer_loop="indexed")
     assert list(tmp_path.glob("jaxinfer/gguf/*/float32/0.npy")) and list(tmp_path.glob("jaxinfer/gguf/*/config.json"))

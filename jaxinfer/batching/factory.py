@@ -27,7 +27,7 @@ from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.speculative import DraftProposer, NgramProposer, check_draft
 from jaxinfer.batching.structured import Matchers
 from jaxinfer.models import sharding
-from jaxinfer.models.spec import cpu_matmul_layout
+from jaxinfer.models.spec import cpu_matmul_layout, num_params
 from jaxinfer.models.weights import load_config, load_model, resolve_model, saved_quantization
 from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.tokenizer import load_tokenizer
@@ -70,7 +70,7 @@ def _build(resolved: ResolvedConfig, config: EngineConfig, mesh, devices) -> LLM
     if backend.platform == "cpu" and mesh is None:
         weights = cpu_matmul_layout(weights, mc)  # [in, out]: what XLA:CPU's matmuls read
     log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", resolved.model, resolved.dtype,
-             resolved.quantization, mc.num_params() / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
+             resolved.quantization, num_params(mc) / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
              time.perf_counter() - t0)
     tokenizer = load_tokenizer(resolve_model(resolved.model))
     mc = mc.for_context(resolved.max_model_len)

@@ -2,15 +2,17 @@
 
 One dataclass serves every family: the fields beyond Llama's say which building blocks of
 ``jaxinfer.models.layers`` a family's decoder layer uses (biases, Q/K norms, post-norms, soft caps,
-sliding windows, experts). Each family's module (``jaxinfer.models.families``) parses its Hugging
-Face ``config.json`` and GGUF metadata into it and refuses fields it cannot honour.
+sliding windows, experts). Each family (``jaxinfer.models.families``) parses its Hugging Face
+``config.json`` and GGUF metadata into it and refuses fields it cannot honour.
+
+This module is the bottom of ``models/``: it imports no other jaxinfer module, so the ones that
+read a config (families: ``config_from_hf``, ``config_to_hf``, ``config_from_gguf``; spec:
+``num_params``) build on it and nothing imports back up.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 ROPE_KINDS = ("llama3", "linear", "longrope")
@@ -125,17 +127,6 @@ class ModelConfig:
             return None
         return self.sliding_window
 
-    def num_params(self) -> int:
-        from jaxinfer.models.spec import param_spec
-
-        return sum(s.size for s in param_spec(self).leaves())
-
-    def num_active_params(self) -> int:
-        """Parameters one token reads: with experts, only its ``num_experts_per_tok`` routed ones."""
-        from jaxinfer.models.spec import param_spec
-
-        return sum(s.active_size(self) for s in param_spec(self).leaves())
-
     def for_context(self, max_model_len: int) -> "ModelConfig":
         """This config for an engine whose sequences reach ``max_model_len`` tokens: LongRoPE takes
         its long factors when that passes the original context, as Phi-3 does for such sequences."""
@@ -148,31 +139,22 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict | str | os.PathLike) -> "ModelConfig":
-        """From a Hugging Face ``config.json`` (a dict, the file, or the directory holding it)."""
-        from jaxinfer.models.families import family_for_hf
-
-        if not isinstance(cfg, dict):
-            path = os.fspath(cfg)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                cfg = json.load(f)
-        return family_for_hf(cfg).config_from_hf(cfg)
-
-    def to_hf_config(self) -> dict:
-        """The equivalent Hugging Face config dict (used to build the transformers oracle)."""
-        from jaxinfer.models.families import FAMILIES
-
-        return FAMILIES[self.architecture].config_to_hf(self)
+    def to_dict(self) -> dict:
+        """The config as JSON values (the user cache's ``config.json``, a converted checkpoint's)."""
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
 
     @classmethod
-    def from_gguf_metadata(cls, md: dict) -> "ModelConfig":
-        """From GGUF key/value metadata (already decoded to Python values)."""
-        from jaxinfer.models.families import family_for_gguf
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """The config ``to_dict`` wrote: JSON lists back to the (hashable) tuples the fields hold."""
+        def tuples(x):
+            return {k: tuple(v) if isinstance(v, list) else v for k, v in x.items()}
 
-        return family_for_gguf(md).config_from_gguf(md)
+        d = tuples(d)
+        if d["rope_scaling"] is not None:
+            d["rope_scaling"] = RopeScaling(**tuples(d["rope_scaling"]))
+        return cls(**d)
 
 
 _LLAMA3_EOS = (128001, 128008, 128009)

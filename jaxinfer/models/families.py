@@ -3,7 +3,7 @@
 A family is what differs between checkpoints of the same decoder: how its Hugging Face
 ``config.json`` and its GGUF metadata map to ``ModelConfig`` (refusing fields it cannot honour), and
 the names of its tensors in both formats (mapped to the canonical parts the loaders assemble, see
-``weights.py``). The layers themselves are shared (``decoder.py``), chosen by the config's fields.
+``weights/assemble.py``). The layers themselves are shared (``decoder.py``), chosen by the config's fields.
 
 Registry keys are HF ``architectures[0]`` (or ``model_type``) and GGUF ``general.architecture``.
 """
@@ -11,11 +11,12 @@ Registry keys are HF ``architectures[0]`` (or ``model_type``) and GGUF ``general
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 from jaxinfer.models.config import ModelConfig, RopeScaling
 
-# Canonical per-layer part names (weights.py assembles them into the spec's leaves):
+# Canonical per-layer part names (weights/assemble.py assembles them into the spec's leaves):
 #   q k v qkv q_bias k_bias v_bias q_norm k_norm o attn_norm mlp_norm post_attn_norm post_mlp_norm
 #   gate up gate_up down router expert{e}_gate expert{e}_up expert{e}_down experts_gate experts_up
 #   experts_down shared_gate shared_up shared_down shared_expert_gate
@@ -171,7 +172,6 @@ def _rope_scaling(rope: dict, cfg: dict) -> RopeScaling | None:
         factor = cfg.get("max_position_embeddings", orig) / orig
         af = rope.get("attention_factor")
         if af is None:
-            import math
             af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         return RopeScaling(factor=factor, original_max_position_embeddings=orig, kind="longrope",
                            short_factor=tuple(map(float, rope["short_factor"])),
@@ -330,3 +330,18 @@ def family_for_gguf(md: dict) -> Family:
             return f
     raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
                      f"{', '.join(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch)}")
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """The ModelConfig of a Hugging Face ``config.json`` (decoded), by its family."""
+    return family_for_hf(cfg).config_from_hf(cfg)
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """The equivalent Hugging Face config dict (what builds the transformers oracle of a config)."""
+    return FAMILIES[config.architecture].config_to_hf(config)
+
+
+def config_from_gguf(md: dict) -> ModelConfig:
+    """The ModelConfig of GGUF key/value metadata (decoded to Python values), by its family."""
+    return family_for_gguf(md).config_from_gguf(md)

@@ -90,6 +90,15 @@ def param_spec(config: ModelConfig) -> ModelSpec:
     return ModelSpec(glob, layer, config.num_layers)
 
 
+def num_params(config: ModelConfig) -> int:
+    return sum(s.size for s in param_spec(config).leaves())
+
+
+def num_active_params(config: ModelConfig) -> int:
+    """Parameters one token reads: with experts, only its ``num_experts_per_tok`` routed ones."""
+    return sum(s.active_size(config) for s in param_spec(config).leaves())
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class InOut:
@@ -98,7 +107,7 @@ class InOut:
 
     XLA:CPU hands dots of two or more rows to YNNPACK, whose right operand is ``[in, out]``; a
     ``[out, in]`` weight was repacked on every call. SmolLM2 float32 on 2 cores, the engine's step
-    (docs/benchmarks.md, issue 22): 8 sequences' decode 68.5 -> 48.2 ms, batch-1 decode 26.6 ->
+    (docs/benchmarks.md): 8 sequences' decode 68.5 -> 48.2 ms, batch-1 decode 26.6 ->
     24.5 ms (the one-row dot is not YNNPACK's, and reads ``[in, out]`` as fast)."""
 
     t: jax.Array

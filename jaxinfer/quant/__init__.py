@@ -3,7 +3,7 @@
 - ``qarray``: the pytree (codes, scales, optional zero points / offsets / high bits, the scheme and
   group size as static metadata) and its bit-exact decode;
 - ``schemes``: int8, int4 (grouped) and fp8, quantized at load from float weights;
-- ``gguf``: llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) repacked into ``QArray``s
+- ``gguf_blocks``: llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) repacked into ``QArray``s
   without dequantizing, so a GGUF file runs in its own format;
 - ``matmul``: the quantized matmul, the decode fused into the compiled step by XLA, or for a few tokens
   on a GPU the Pallas matvec kernel (``jaxinfer.pallas_kernels.qmatvec``), or on CPU the native

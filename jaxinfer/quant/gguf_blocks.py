@@ -14,6 +14,10 @@ Each block type's fields are read the way ``gguf.quants`` reads them and kept as
 - Q6_K (16 int8 scales, f16 ``d`` per 256): ``(q - 32) * (d * sc)`` per 16, ``d * sc`` in float32.
 
 so every decoded weight is bit-identical to ``gguf.quants.dequantize``'s (tests/test_quant.py).
+
+Only the block encodings live here, the quantization layer's part; the file they come in (header,
+metadata, tensor index) is ``models/weights/gguf_file.py``, hence the name: not ``gguf``, which is
+also the PyPI package both modules import.
 """
 
 from __future__ import annotations
