@@ -1,6 +1,6 @@
 """Time the attention kernels on the current device against its ceilings and peer implementations.
 
-Cases (defaults are the issue-5 shapes; ``--heads/--kv-heads/--head-dim/--soft-cap/--window`` give
+Cases (defaults are llama3-8b's attention shapes; ``--heads/--kv-heads/--head-dim/--soft-cap/--window`` give
 other families' attention, e.g. Gemma-2-9B's ``--heads 16 --kv-heads 8 --head-dim 256 --soft-cap 50
 --window 4096 --ctx 8192``, Qwen2.5-7B's ``--heads 28 --kv-heads 4``):
 - decode: 64 sequences x 4096 context, 32 q heads / 8 kv heads, head_dim 128, bf16, page_size 64

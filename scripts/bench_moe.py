@@ -4,9 +4,9 @@ experts to one token, timed against each other; the useful bytes are the k exper
     python scripts/bench_moe.py            # writes $OUT/moe_bench.json (or /tmp/moe_bench.json)
     python scripts/bench_moe.py --many     # many rows (prefill, large batches): $OUT/moe_many.json
 
-What it settled (docs/benchmarks.md, "Model families on one H200"): float32 row reductions over the
-gathered experts, which XLA fuses, stream the chosen experts at the read bandwidth; a gathered dot
-copies them first, and ``ragged_dot``'s GPU lowering is slow at a few rows.
+What it settled (H200): float32 row reductions over the gathered experts, which XLA fuses, stream the
+chosen experts at the read bandwidth (166 us, 4.24 TB/s, for one layer's two, against 612 us for a
+gathered dot, which copies them first); ``ragged_dot``'s GPU lowering is slow at a few rows.
 """
 
 import json

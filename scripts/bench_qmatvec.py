@@ -12,7 +12,7 @@ and scales: the time does not depend on them), at ``--tokens`` rows of activatio
 - ``device us``: the kernel's own device time per matvec from a profiled run (``device_profile``):
   the chain's wall time per call also holds the kernels around each matvec (x's reorder, the
   split-K sum, the nudge), 8-15 us more than the same kernel took inside the engine's step on an
-  H100 (docs/benchmarks.md, issue 25), so sweeps rank block choices by this;
+  H100, so sweeps rank block choices by this;
 - the ceiling: bytes read (codes, scales, offsets) over 4.8 TB/s, and over the read bandwidth
   measured in the same run (a multi-GB sum).
 Each timing is a jitted chain of ``--chain`` calls, each call's input depending on the previous

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21's three serving workloads on one GPU: each launches the server, loads it, stops it, and runs
+# The three serving workloads on one GPU: each launches the server, loads it, stops it, and runs
 # the same requests offline with the same engine options, adding a run to $OUT/serving-h200.json.
 #   bash scripts/bench_serving_h200.sh short      # ~10-token prompts x 256 tokens, 1000 requests, concurrency 256
 #   bash scripts/bench_serving_h200.sh long       # 512-token prompts x 256 tokens, 1000 requests, concurrency 256

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26's H200 figures (scripts/bench_speculative.py), llama3-8b dummy weights, k = 4, each part one
+# Speculative decoding's H200 figures (scripts/bench_speculative.py), llama3-8b dummy weights, k = 4, each part one
 # device call adding $OUT/spec-h200-*.json (split so that each stays under ten minutes with compilation):
 #   bash scripts/bench_speculative_h200.sh verify     # one verify step of 4 proposals vs one decode step, batch 1/64/256
 #   bash scripts/bench_speculative_h200.sh replay1    # end to end, batch 1: plain greedy vs replayed proposals (target >= 3x),

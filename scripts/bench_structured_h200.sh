@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 27's H200 overhead figures: 256 concurrent sequences, every one constrained, against the same
+# Structured outputs' H200 overhead figures: 256 concurrent sequences, every one constrained, against the same
 # requests unconstrained generating the same tokens (scripts/bench_structured.py), each adding $OUT/structured-h200-*.json.
-#   bash scripts/bench_structured_h200.sh json_object   # the issue's target: {"type": "json_object"} on every request
+#   bash scripts/bench_structured_h200.sh json_object   # the headline case: {"type": "json_object"} on every request
 #   bash scripts/bench_structured_h200.sh schema        # a JSON schema that keeps every request going for 256 tokens
 # Needs llguidance (no dependencies; cp39-abi3 manylinux_2_31 wheel, so any Python >= 3.9 on glibc >= 2.31).
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.

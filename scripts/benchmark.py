@@ -26,8 +26,9 @@ Workloads (``--workload``):
 
 ``--compare`` runs the workloads once per weight / KV format, each in a process of its own (a fresh
 device: one engine's memory never crowds the next's), and prints each format's headline figure over
-the first's: the quantization issue's pairs, bf16 re-measured in the same run. Beside it, the host's
-share of the wall time (``host_share``): near 1, the machine's CPU sets the pace, not the format.
+the first's (``none,fp8:fp8``: fp8 weights and KV cache against bf16, both measured in the same run).
+Beside it, the host's share of the wall time (``host_share``): near 1, the machine's CPU sets the pace,
+not the format.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ def profile_decode(llm, prompts) -> dict:
 
 
 def decode(results):
-    """The issue's CPU workload, 8 x (128 + 128), and the decode step alone at batch 1 and 8."""
+    """The CPU workload, 8 x (128 + 128), and the decode step alone at batch 1 and 8."""
     from ceilings import timeit
     llm = make_llm(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, token_buckets=(8, 128),
                    seq_buckets=(1, 8), page_buckets=(16,))
@@ -645,8 +646,7 @@ def host_share(figures: dict) -> float | None:
     """The engine's host time (scheduling, dispatch, reading tokens) over the run's wall time, where
     the workload reports both. The host overlaps the device's step, so near 1 the host sets the pace
     and a ratio between formats measures the machine's CPU, not the engine: one H100 ran the fp8 pair
-    at 1.055x with its fp8 run's host at 0.75 of the wall, another at 1.449x with 0.27
-    (docs/benchmarks.md, issue 25)."""
+    at 1.055x with its fp8 run's host at 0.75 of the wall, another at 1.449x with 0.27."""
     if not all(k in figures for k in ("host_ms_per_step", "steps", "wall_s")) or not figures["wall_s"]:
         return None
     return figures["host_ms_per_step"] * 1e-3 * figures["steps"] / figures["wall_s"]

@@ -5,8 +5,9 @@
 
 ``PROMPTS.json`` holds token-id lists; the first is the batch-1 prompt (transformers decodes it RUNS
 times, the median reported), all of them the 8-request batch. llama.cpp runs under its own
-interpreter (``llama-cpp-python`` built from its PyPI source distribution into a separate venv, see
-docs/benchmarks.md), so this file imports only the peer it runs. Both decode greedily with EOS
+interpreter (``llama-cpp-python`` built from its PyPI source distribution into a separate venv:
+``python3 -m venv /work/peers-venv && /work/peers-venv/bin/pip install llama-cpp-python``), so this
+file imports only the peer it runs. Both decode greedily with EOS
 ignored, like the engine's run.
 """
 

@@ -43,9 +43,8 @@ def test_compare_rejects_bad_formats_and_workloads_before_running():
 
 
 def test_host_share_is_the_hosts_time_over_the_wall(monkeypatch):
-    """The compare table's host share, from a run's own figures (the two H100 fp8 runs of
-    docs/benchmarks.md: the first machine's host set the pace); blank where a workload has no host
-    time."""
+    """The compare table's host share, from a run's own figures: 0.75 of the wall for a run whose host
+    set the pace, 0.27 for one whose host did not; blank where a workload has no host time."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     import benchmark
 

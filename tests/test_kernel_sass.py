@@ -1,6 +1,6 @@
 """``scripts/kernel_sass.py`` without a GPU or the ``triton`` package: the Pallas calls it takes from
 lowering a kernel for CUDA, and what it reads from SASS. (Compiling to SASS needs ``triton``, which
-the tests do not install; docs/benchmarks.md has the figures it gave.)"""
+the tests do not install.)"""
 
 import argparse
 import os

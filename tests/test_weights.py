@@ -418,7 +418,7 @@ def test_config_that_disagrees_with_tensors(tmp_path):
 
 def test_gguf_float32_weights_and_config_come_back_from_the_user_cache(tmp_path, monkeypatch):
     """A GGUF dequantized once is kept (config and float32 arrays) and read back identically, without
-    parsing the file again (start-up, issue 22)."""
+    parsing the file again."""
     from jaxinfer.models.weights import gguf as weights_module
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config, first = load_model("smollm2-135m", layer_loop="indexed")

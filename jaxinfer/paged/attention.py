@@ -54,8 +54,8 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     The context is read in blocks of ``_KEY_BLOCK`` tokens (an online softmax across them). On CPU
     only as many as the batch's longest sequence fills: a loop with a run-time trip count, so the
     cost follows the real context, not the page table's width, and a step compiled for the longest
-    context serves every shorter one: the CPU compiles one page bucket, not four (warm-up time was
-    nearly all compilation; docs/benchmarks.md, issue 22). Elsewhere (the oracle for the GPU/TPU
+    context serves every shorter one: the CPU compiles one page bucket, not four (warm-up was nearly
+    all compilation, ~2.3 s a step on 2 cores). Elsewhere (the oracle for the GPU/TPU
     kernels, a fallback for head sizes they lack) every block of the page table, as before.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -90,11 +90,12 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     # With one sequence (a batch-1 step) every query reads the same context: no per-query copy of it.
     # A batch-1 verify step (speculative decoding: last token + k proposals) copied it k + 1 times per
-    # layer where a decode step copies it once (docs/benchmarks.md, issue 26). With several, blocks of
-    # _SEGMENT_BLOCK queries: one whose queries are all one sequence's (the packed tokens are grouped
-    # by sequence, so all but the blocks at a boundary in a prefill chunk) reads that context alone;
-    # the others copy each query's context. Copying it for every query of a 128-token step cost
-    # SmolLM2 on CPU ~1.6x the step (125 prefill + 3 decode tokens, 1.04 s -> 0.62 s, contended).
+    # layer where a decode step copies it once (k = 4, SmolLM2 at the 64-page bucket: ~236 MB a step
+    # against 47 MB). With several, blocks of _SEGMENT_BLOCK queries: one whose queries are all one
+    # sequence's (the packed tokens are grouped by sequence, so all but the blocks at a boundary in a
+    # prefill chunk) reads that context alone; the others copy each query's context. Copying it for
+    # every query of a 128-token step cost SmolLM2 on CPU ~1.6x the step (125 prefill + 3 decode
+    # tokens, 1.04 s -> 0.62 s, contended).
     one = num_seqs == 1
     block = max(1, min(num_tokens, _BLOCK_ELEMENTS // key_block, num_tokens if one else _SEGMENT_BLOCK))
     num_blocks = -(-num_tokens // block)
@@ -113,8 +114,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             # One query over one context (batch-1 decode): dots over the context in its stored
             # [c, kv_heads, D] order. The block-shaped einsums below made XLA:CPU transpose K and V
             # around two small library calls per layer, and a broadcast product and sum still
-            # transposed them: SmolLM2's batch-1 step 22.8 -> 21.3 ms at a 128-token context, 28.2
-            # -> 26.9 ms at 600 (docs/benchmarks.md, issue 22).
+            # transposed them: SmolLM2's batch-1 step went 22.83 -> 21.58 ms at a 128-token context.
             scores = lambda q, k: jnp.einsum("ckd,kgd->kgc", k, q[0], precision=hi)[None]  # noqa: E731
             mix = lambda p, v: jnp.einsum("kgc,ckd->kgd", p[0], v, precision=hi)[None]  # noqa: E731
         else:
@@ -149,7 +149,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             # order; any queries past the sequences are padding): their contexts are a slice of k_seq,
             # the whole of it when the block spans every sequence, not a per-query copy. SmolLM2's
             # 8-sequence decode step on CPU copied 3 MB per layer that way: 60.0 -> 53.7 ms at a
-            # ~300-token context (docs/benchmarks.md, issue 22).
+            # ~300-token context.
             n = min(block, num_seqs)
 
             def one_sequence():

@@ -28,7 +28,7 @@ fp8 codes are stored as uint32 words of four (``[..., head_dim / 4]``; byte ``j`
 without copying it, and the GPU decode kernel wants words. Loaded from shared memory as bytes and
 widened one at a time, an fp8 cache made the kernel slower than bf16's although it reads half the
 bytes; as words, two codes become two float16 with one ``cvt.rn.f16x2.e4m3x2`` and the kernel is
-0.70x the bytes' time (H200, 256 sequences x 640 tokens, docs/benchmarks.md). ``pack_codes`` and
+0.70x the bytes' time (H200, 256 sequences x 640 tokens). ``pack_codes`` and
 ``unpack_codes`` convert; ``code_dtype`` names what a stored array holds.
 Attention always sees the dequantized values, the step's own new tokens included (as if written,
 then read), so every path (reference, deferred write, Pallas kernels) computes the same thing.

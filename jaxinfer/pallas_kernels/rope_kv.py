@@ -6,8 +6,8 @@ rotate q, rotate k, two scatters, a select), each mostly launch latency at decod
 program reads its token's residual row for the RMSNorm scale (see ``jaxinfer.models.layers``) and its
 QKV heads once, scales them, rotates the q and k heads (rotate-half layout, float32 math), writes q
 out and k/v straight into their cache slot (the cache is aliased, so donated caches are updated in
-place). Measured in the 8B batch-1 step on an H200: with the RoPE part 4.57 -> 4.48 ms; with the
-norm's scale too, 4.20 -> 4.12 ms/token (docs/benchmarks.md).
+place). Computing the norm's scale here too took the 8B batch-1 step on an H200 from 4.20 to 4.12 ms
+per token.
 
 Same contract as ``jaxinfer.models.layers.rope_write_kv`` (the jnp reference, the CPU path),
 including its optional parts: Q/K/V biases (Qwen2) and per-head RMS norms of q and k (Qwen3, Gemma 3).

@@ -2,8 +2,8 @@
 
 - Up to ``KERNEL_MAX_TOKENS`` tokens (one) on a GPU, int8 (a scale per row) and 4-bit codes with a
   scale (and offset) per group (int4, Q4_0, Q4_1): the Pallas kernel ``pallas_kernels.qmatvec``. On
-  the H200 its third version beat XLA's fusion below on all five of llama3-8b's matvecs (per layer
-  int8 87.8 against 104.9 us, int4-g128 84.6 against 151.3; bf16 121.6; docs/benchmarks.md).
+  an H200 it beat XLA's fusion below on all five of llama3-8b's matvecs (a layer's four in int8:
+  86.8 against 104.9 us).
 - One token on a GPU otherwise (Q8_0, the K-quants): a float32 row reduction ``sum(x *
   dequantize(W), -1)``, one loop fusion that reads only the codes and their scales. The kernel takes
   Q8_0 too (tests check it), but only the formats above were timed against this fusion.
@@ -28,8 +28,8 @@ from jaxinfer.quant.schemes import FP8_MAX
 
 # Most tokens (rows of x) a step's quantized linear sends through the matvec kernel on a GPU. The
 # kernel takes any number, but each token adds a multiply-add per weight to a kernel already bound by
-# instructions per weight (docs/benchmarks.md), so more than one waits for a measurement against XLA's
-# dot (``scripts/bench_qmatvec.py --tokens 8``).
+# instructions per weight (int4's ``w_gate_up``: 3.03 SASS instructions a weight on sm_90), so more
+# than one waits for a measurement against XLA's dot (``scripts/bench_qmatvec.py --tokens 8``).
 KERNEL_MAX_TOKENS = 1
 KERNEL_SCHEMES = ("int8", "int4", "q4_0", "q4_1")  # Q8_0 (8-bit, a scale per 32) waits for its own timing
 
@@ -88,7 +88,7 @@ def qlinear(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
         else:
             # The dot's output in the activations' dtype: a float32 one (235 MB at 2,048 tokens of
             # llama3-8b's gate/up) was read twice by the scale, activation and requantization fusions
-            # after it; the H200's mixed step went 38.0 -> 35.8 ms (docs/benchmarks.md, issue 25).
+            # after it; the H200's mixed step went 38.0 -> 35.8 ms.
             # Its partial sums are then rounded to that dtype too: up to 2^-11.6 of sum |x * w| at
             # in = 320 on an H100 (2^-13.5 at 4,096), well under the fp8 operands' own rounding.
             y = jax.lax.dot_general(xq, w.values, dims, preferred_element_type=out_dtype)
