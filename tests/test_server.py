@@ -17,11 +17,14 @@ import tempfile
 import threading
 import time
 import types
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
+from jaxinfer.server.constraints import ToolPlan, tool_call_schema
 from jaxinfer.server.protocol import APIError, ChatCompletionRequest, parse
 from jaxinfer.server.serving import OpenAIServing
 from jaxinfer.tokenizer import apply_chat_template
@@ -421,6 +424,67 @@ def test_tool_choice_auto_parses_the_models_format(client):
     # No call: all content, "<b" held back until it cannot be "<tool_call>", then sent.
     content, calls, finish = chat(client, True, tools=TOOLS, extra_body={"guided_regex": "Sunny <b>today</b>"})
     assert (content, calls, finish) == ("Sunny <b>today</b>", [], "stop")
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    zip: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    home: Address
+    pet: Literal["cat", "dog", "none"]
+
+
+class Depot(pydantic.BaseModel):  # named "Address" in its tool's $defs, unlike Person's
+    street: str = pydantic.Field(max_length=20)
+
+
+class Order(pydantic.BaseModel):
+    to: Depot
+    quantity: int = pydantic.Field(ge=1, le=9)
+
+
+def pydantic_tools() -> list[dict]:
+    """Two tools whose parameters pydantic wrote: nested models as $defs and $refs, both named Address."""
+    order = json.loads(json.dumps(Order.model_json_schema()).replace("Depot", "Address"))
+    return [{"type": "function", "function": {"name": "add_person", "description": "Add a person",
+                                              "parameters": Person.model_json_schema()}},
+            {"type": "function", "function": {"name": "ship_order", "description": "Ship an order",
+                                              "parameters": order}}]
+
+
+def test_forced_tool_call_schema_keeps_each_tools_references():
+    """Nested under 'arguments', a tool's '#/$defs/...' references would point at nothing: each tool's
+    definitions move to the root (the second Address renamed) with its references rewritten, so the
+    built schema takes exactly the calls each tool's own schema takes."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = pydantic_tools()
+    person = {"name": "Ann", "home": {"city": "Oslo", "zip": "12345"}, "pet": "cat"}
+    calls = [{"name": "add_person", "arguments": person}, {"name": "ship_order", "arguments": {
+        "to": {"street": "Main St"}, "quantity": 2}}]
+    wrong = [{"name": "add_person", "arguments": {**person, "home": {"street": "Main St"}}},
+             {"name": "ship_order", "arguments": {"to": {"city": "Oslo", "zip": "12345"}, "quantity": 2}}]
+    for parallel in (True, False):
+        schema = tool_call_schema(ToolPlan("required", tools, parallel=parallel))
+        for call, bad in zip(calls, wrong):
+            jsonschema.validate([call] if parallel else call, schema)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate([bad] if parallel else bad, schema)
+
+
+def test_forced_call_of_a_pydantic_tool(client):
+    """tool_choice 'required' over a pydantic-written tool (one: two would not fit this server's
+    context): the call parses and its arguments validate against the tool's own schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tool = pydantic_tools()[0]
+    content, calls, finish = chat(client, False, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                  max_completion_tokens=96,
+                                  messages=[{"role": "user", "content": "Add Ann from Oslo, who has a cat."}])
+    assert finish == "tool_calls" and not content and len(calls) == 1, (content, calls, finish)
+    assert calls[0][0] == "add_person"
+    jsonschema.validate(json.loads(calls[0][1]), tool["function"]["parameters"])
 
 
 def test_guided_fields_on_completions(client):
