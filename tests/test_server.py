@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import types
 from typing import Literal
@@ -39,14 +38,14 @@ TINY_ARGS = ["--model=tiny-llama3", "--load_format=dummy", "--max_num_seqs=1", "
 
 
 class Server:
-    def __init__(self, args, startup_timeout=300):
+    def __init__(self, args, startup_timeout=300, env=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "scripts/serve.py", f"--port={self.port}", *args], cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited early:\n{self.tail()}"
@@ -93,17 +92,17 @@ def tiny():
     srv.stop()
 
 
-def metrics(url) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
+def metrics(url, headers=None) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", headers=headers).text
     return {m[0]: float(m[1]) for m in re.findall(r"^(jaxinfer_\w+) (\S+)$", text, re.M)}
 
 
-def wait_until_idle(url, timeout=20) -> dict[str, float]:
+def wait_until_idle(url, timeout=20, headers=None) -> dict[str, float]:
     """The metrics once no KV page is held and nothing runs (aborts settle a step later), asserting
     that this happens within ``timeout`` seconds and that nothing waits either."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = metrics(url)
+        m = metrics(url, headers)
         if m["jaxinfer_kv_cache_pages_used"] == 0 and m["jaxinfer_num_requests_running"] == 0:
             break
         time.sleep(0.2)
@@ -112,8 +111,9 @@ def wait_until_idle(url, timeout=20) -> dict[str, float]:
     return m
 
 
-def post(url, path, body=None, content=None, **kw):
-    return httpx.post(f"{url}{path}", json=body, content=content, timeout=120, **kw)
+def post(url, path, body=None, content=None, headers=None, **kw):
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    return httpx.post(f"{url}{path}", json=body, content=content, timeout=120, headers=headers, **kw)
 
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
@@ -230,7 +230,7 @@ BAD = [
     ("/v1/completions", {"prompt": 5}, 400, "prompt", "string"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 400, "model", "gpt-9"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", "gpt-9"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": "hi " * 600}, 400, "prompt", "512"),
@@ -496,10 +496,7 @@ def test_guided_fields_on_completions(client):
     assert re.fullmatch(r"(19|20)[0-9]{2}", out.choices[0].text)
 
 
-# ------------------------------------------------------------------------ fuzzed OpenAPI description
-
-FUZZ_EXAMPLES = {"positive": 16, "negative": 12}  # per route and mode (~15 s in all)
-FUZZ_MAX_TOKENS = 4
+# ------------------------------------------------------------------------------- routes and docs
 
 
 def _openai_error_shape(response) -> None:
@@ -511,43 +508,6 @@ def _openai_error_shape(response) -> None:
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
 
 
-@pytest.mark.parametrize("mode", list(FUZZ_EXAMPLES))
-def test_fuzz_every_route(server, mode):
-    """schemathesis draws requests from /openapi.json for every route, valid ones and (for bodies) invalid
-    ones: no 5xx, every 4xx in OpenAI's error shape. Generation is not what is fuzzed, so long requests
-    are cut to a few tokens."""
-    schemathesis = pytest.importorskip("schemathesis")
-    hypothesis = pytest.importorskip("hypothesis")
-    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                              "/metrics"}
-    statuses = []
-    for op in operations:
-        if mode == "negative" and op.method.upper() == "GET":
-            continue  # nothing to get wrong: the GET routes take no parameters
-
-        @hypothesis.settings(max_examples=FUZZ_EXAMPLES[mode], deadline=None, database=None, derandomize=True,
-                             phases=[hypothesis.Phase.generate], suppress_health_check=list(hypothesis.HealthCheck))
-        @hypothesis.given(case=op.as_strategy(schemathesis.GenerationMode(mode)))
-        def fuzz(case):
-            if isinstance(case.body, dict):
-                case.body.pop("model", None)  # any other name than the served one is refused
-                for key in ("max_tokens", "max_completion_tokens"):
-                    value = case.body.get(key, FUZZ_MAX_TOKENS)
-                    if type(value) is int and value >= FUZZ_MAX_TOKENS:
-                        case.body[key] = FUZZ_MAX_TOKENS
-            response = case.call(base_url=server.url, timeout=60)
-            _openai_error_shape(response)
-            statuses.append((op.path, response.status_code, response.text[:150]))
-
-        fuzz()
-    assert {s // 100 for _, s, _ in statuses} >= {4}
-    if mode == "positive":  # some schema-valid requests get generated text, not merely a refusal
-        assert {p for p, s, _ in statuses if s == 200} & {"/v1/completions", "/v1/chat/completions"}, \
-            "\n".join(map(str, statuses))
-
-
 def test_unknown_routes_methods_and_docs(server):
     for method, path in (("GET", "/v2/nothing"), ("DELETE", "/v1/models"), ("GET", "/v1/completions")):
         r = httpx.request(method, f"{server.url}{path}")
@@ -556,22 +516,13 @@ def test_unknown_routes_methods_and_docs(server):
     assert "swagger" in httpx.get(f"{server.url}/docs").text.lower()
 
 
-def test_healthy_and_idle_after_fuzzing(server, client):
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    wait_until_idle(server.url)
-    out = client.completions.create(model=MODEL, prompt="A year:", max_tokens=8,
-                                    extra_body={"guided_regex": "(19|20)[0-9]{2}"})
-    assert re.fullmatch(r"(19|20)[0-9]{2}", out.choices[0].text)
-
-
 def test_template_without_tools_is_a_400(smollm2_tokenizer):
     """SmolLM2's own template ignores tools, so the model would never see them: a 400, not a silent drop."""
-    engine = types.SimpleNamespace(tokenizer=smollm2_tokenizer, ready=threading.Event(), max_model_len=512)
-    engine.ready.set()
+    engine = types.SimpleNamespace(tokenizer=smollm2_tokenizer, max_model_len=512)
     serving = OpenAIServing(engine, MODEL)
     req = parse(ChatCompletionRequest, json.dumps({"messages": CHAT, "tools": [WEATHER]}).encode())
     with pytest.raises(APIError) as e:
-        asyncio.run(serving.chat(req, None))
+        serving.prepare_chat(req)
     assert e.value.status == 400 and e.value.param == "tools" and "template" in e.value.message
 
 
