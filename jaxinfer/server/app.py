@@ -44,8 +44,10 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
 _ANY_ERRORS = (421, 500)  # any route: a Host that is not allowed, an internal error
 _METERED_ERRORS = (*_ANY_ERRORS, 503)  # and past the concurrency limit
 _POST_ERRORS = (*_METERED_ERRORS, 400, 401, 404, 408, 413, 415, 504)
-# With "stream": true, a 200 is server-sent events: the response model's chunks as "data:" lines.
-_STREAMED = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+# With "stream": true, a 200 is server-sent events (the schema describes one): each "data:" is a chunk
+# of the response model's shape (JSON), an {"error": ...} that ended the stream, or the closing [DONE].
+_STREAMED = {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}}
 _STATUS_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
 _UNMETERED = frozenset({"/health", "/metrics"})  # answered even at the concurrency limit: monitoring needs them then
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
