@@ -60,7 +60,8 @@ def run_core() -> dict:
             nonlocal tokens
             while todo:
                 i = todo.pop()
-                sub = engine.submit(f"r{i}", [prompts[i]], [params])
+                engine.admit(1, "prompt")
+                sub = engine.submit(f"r{i}", f"r{i}", [prompts[i]], [params])
                 while not sub.done:
                     for out in await sub.next():
                         tokens += len(out.delta_token_ids)

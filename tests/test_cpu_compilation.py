@@ -112,6 +112,17 @@ def test_greedy_and_sampled_steps_share_one_executable_per_shape(tmp_path):
     assert llm.engine.num_compilations == len(plan), "a greedy or sampled step compiled after warm-up"
 
 
+def test_penalties_compile_once_per_power_of_two():
+    """A step with penalties carries its requests' generated-token counts padded to a power of two, so a
+    longer request reuses the shorter one's steps instead of compiling one per count."""
+    llm = LLM("tiny-llama3", compilation_cache_dir="", **TINY)
+    penalized = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
+    llm.generate([[5, 6, 7]], penalized(20))  # its steps carry 0-19 generated tokens: the 16- and 32-slot variants
+    before = llm.engine.num_compilations
+    assert llm.generate([[8, 9, 10]], penalized(30))[0].token_ids
+    assert llm.engine.num_compilations == before
+
+
 def test_warmup_refuses_a_plan_larger_than_the_bound():
     llm = LLM("tiny-llama3", compilation_cache_dir="", max_executables=3, **TINY)
     with pytest.raises(ValueError, match="max_executables"):

@@ -77,7 +77,7 @@ def test_a_constraint_failing_inside_the_step_fails_its_request_alone(llm, alone
             assert done[f"first-{i}"].token_ids == alone[p].token_ids
         failed = done["later-0"]
         assert failed.finished and failed.finish_reason == "error"
-        assert "2000" in failed.error and "constraint" in failed.error
+        assert "2000" in failed.error.message and "constraint" in failed.error.message and failed.error.invalid
     assert llm.engine.stats()["running"] == 0 and not llm.engine.scheduler.requests
 
 
@@ -180,7 +180,8 @@ def test_a_request_that_fails_every_step_fails_alone(llm, mixed_alone, monkeypat
     poison = ("Tell me a story.", greedy(8))
     done = run_joining(llm, MIXED[:2], [poison] + MIXED[2:3], after_steps=2)
     assert done["later-0"].finish_reason == "error"
-    assert "failed to run a step with this request 3 times" in done["later-0"].error
+    assert "failed to run a step with this request 3 times" in done["later-0"].error.message
+    assert not done["later-0"].error.invalid
     for key, want in (("first-0", mixed_alone[0]), ("first-1", mixed_alone[1]), ("later-1", mixed_alone[2])):
         assert done[key].token_ids == want.token_ids
     assert llm.engine.stats()["kv_pages_used"] == 0 and not llm.engine.scheduler.requests

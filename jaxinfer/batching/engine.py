@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.batching.inflight import DispatchedStep
 from jaxinfer.batching.model_runner import ModelRunner
 from jaxinfer.batching.outputs import OutputProcessor, RequestOutput
-from jaxinfer.batching.request import Request, Status
+from jaxinfer.batching.request import Request, RequestError, Status
 from jaxinfer.batching.resolve import ResolvedConfig
 from jaxinfer.batching.scheduler import Scheduler
 from jaxinfer.batching.speculative import Proposer
@@ -215,7 +215,7 @@ class LLMEngine:
                 if error is not None:
                     sample.bitmask[i] = -1
                     req = step.requests[i]
-                    s.finish(req, "error", error)
+                    s.finish(req, "error", RequestError(error, invalid=True))
                     outputs.append(self._output(req))
             step.result = sample()
             self._last = step
@@ -247,7 +247,7 @@ class LLMEngine:
             return self.processor.output(req)
         except Exception:  # noqa: BLE001 - logged; the client gets the request's error, not the trace
             log.exception("request %s: its output could not be made", req.request_id)
-            error = "internal error while processing the request's output"
+            error = RequestError("internal error while processing the request's output")
             if req.status is not Status.FINISHED:
                 self.scheduler.finish(req, "error", error)
             self.processor.drop(req.request_id)

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxinfer.batching.buckets import Buckets, geometric
+from jaxinfer.batching.buckets import Buckets
 from jaxinfer.batching.step_io import SchedulerOutput
 from jaxinfer.paged.kv_cache import BatchMetadata
 from jaxinfer.sampling import SamplingBatch
@@ -136,7 +136,8 @@ class InputBuilder:
             pen_rows += [i] * len(ids)
             pen_tokens += ids.tolist()
             pen_counts += c.tolist()
-        slots_k = Buckets.pick(geometric(PENALTY_SLOTS, max(PENALTY_SLOTS, len(pen_rows)), 2), max(1, len(pen_rows)))
+        # a power of two: each count of triples past 16 was its own step shape (a compile per request)
+        slots_k = max(PENALTY_SLOTS, 1 << (len(pen_rows) - 1).bit_length())
         pad = [0] * (slots_k - len(pen_rows))
         sb = SamplingBatch(
             temperature=column([p.temperature for p in params], np.float32),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jaxinfer.batching.request import Request, Status
+from jaxinfer.batching.request import Request, RequestError, Status
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class RequestOutput:
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # why the request failed (``finish_reason == "error"``); it failed alone
+    error: RequestError | None = None  # why the request failed (``finish_reason == "error"``); it failed alone
 
 
 @dataclasses.dataclass

@@ -16,6 +16,15 @@ from jaxinfer.sampling_params import SamplingParams
 SAMPLED = -1  # an in-flight token sampled on device (``Request.inflight``)
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestError:
+    """Why a request failed alone. ``invalid``: the request cannot be served as it asked (its
+    constraint broke down inside a step: the client's to fix); else the engine failed it."""
+
+    message: str
+    invalid: bool = False
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,7 +45,7 @@ class Request:
     output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    error: str | None = None  # why it failed (``finish_reason == "error"``)
+    error: RequestError | None = None  # why it failed (``finish_reason == "error"``)
 
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at the last admission

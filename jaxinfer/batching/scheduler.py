@@ -30,7 +30,7 @@ from typing import Callable, Protocol
 
 from jaxinfer.batching.inflight import DispatchedStep, InFlight
 from jaxinfer.batching.kv_manager import KVCacheManager
-from jaxinfer.batching.request import SAMPLED, Request, Status
+from jaxinfer.batching.request import SAMPLED, Request, RequestError, Status
 from jaxinfer.batching.speculative import Proposer
 from jaxinfer.batching.step_io import ModelRunnerOutput, SchedulerOutput
 from jaxinfer.batching.structured import Matchers
@@ -105,7 +105,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.preempted)
 
-    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
+    def finish(self, req: Request, reason: str, error: RequestError | None = None) -> None:
         """End a request (``reason``: stop, length, abort, error): out of every queue, pages freed at
         once; steps in flight that still hold it skip it when read."""
         for queue in (self.running, self.waiting, self.preempted):
@@ -408,14 +408,14 @@ class Scheduler:
             else:
                 self.inflight.take(req, len(ids))
             if req.request_id in failed:
-                self.finish(req, "error", failed[req.request_id])
+                self.finish(req, "error", RequestError(failed[req.request_id], invalid=True))
                 changed.append(req)
                 continue
             try:
                 self._append(req, ids, self._tops(req, ids, out, index), text, req.request_id in complete)
             except Exception:  # noqa: BLE001 - logged; this request fails, the step goes on for the rest
                 log.exception("request %s: its tokens could not be turned into output", req.request_id)
-                self.finish(req, "error", "internal error while processing the request's output")
+                self.finish(req, "error", RequestError("internal error while processing the request's output"))
             else:
                 if out.verify and req.status is Status.RUNNING:
                     self.kv.truncate(req, req.num_tokens)  # pages left empty by rejected proposals
@@ -495,8 +495,8 @@ class Scheduler:
                 continue
             req.failed_steps += 1
             if req.failed_steps >= MAX_STEP_FAILURES:
-                self.finish(req, "error", f"the engine failed to run a step with this request {req.failed_steps} "
-                                          "times in a row")
+                self.finish(req, "error", RequestError(f"the engine failed to run a step with this request "
+                                                       f"{req.failed_steps} times in a row"))
                 failed.append(req)
         return failed
 

@@ -6,7 +6,10 @@ thread hands each step's message to the event loop with ONE ``call_soon_threadsa
 each sub-request's new text and tokens are appended to its ``_Choice`` and its submission is woken;
 a handler that reads slower than steps arrive finds several steps' worth merged into one output
 (one SSE event), so a slow reader costs one string per choice, not a queue that grows per token.
-Admission control (``max_waiting``) is answered on the event loop at once.
+
+Admission is answered on the event loop at once, before a request is tokenized: it counts the
+sub-requests admitted and not yet released, which the front end knows exactly, against the
+sequences the engine runs (``max_num_seqs`` per replica) plus ``max_waiting`` queued behind them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.outputs import RequestOutput
+from jaxinfer.batching.structured import compiler_for
 from jaxinfer.models.weights import resolve_model
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import engine_core
@@ -64,13 +68,15 @@ class _Choice:
 class Submission:
     """The sub-requests of one HTTP request (``n`` choices times prompts), woken together."""
 
-    def __init__(self, choices: list[_Choice]):
+    def __init__(self, request_id: str, choices: list[_Choice]):
+        self.request_id = request_id  # the HTTP request's, for the log
         self.request_ids = [c.request_id for c in choices]
         self.unfinished = set(self.request_ids)
         self._choices = {c.request_id: c for c in choices}
         self._dirty: dict[str, None] = {}  # ordered set of choices with unread output
         self._error: APIError | None = None
         self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None  # fails it at its deadline
         self.hung_up = False  # the client went away: next() returns at once
 
     def _update(self, rid: str) -> None:  # event loop
@@ -88,18 +94,18 @@ class Submission:
 
     async def next(self) -> list[RequestOutput]:
         """Outputs of the sub-requests that changed since the last call, one per sub-request; raises
-        the APIError that ended the submission, if any (the siblings are aborted by ``release``).
-        Returns [] once the client has hung up."""
+        the APIError that ended the submission, if any, at once (the siblings are aborted by
+        ``release``). Returns [] once the client has hung up."""
         while not self._dirty and self._error is None and not self.hung_up:
             self._wake.clear()
             await self._wake.wait()
+        if self._error is not None:
+            raise self._error
         outs = [self._choices[rid].take() for rid in self._dirty]
         self._dirty.clear()
         for out in outs:
             if out.finished:
                 self.unfinished.discard(out.request_id)
-        if not outs and self._error is not None:
-            raise self._error
         return outs
 
     @property
@@ -117,16 +123,19 @@ class AsyncEngine:
         self._warmup_structured = warmup_structured  # also compile constrained steps before /health is 200
         self._on_fatal = on_fatal
         self.max_waiting = max_waiting
+        self.max_running = config.max_num_seqs * config.data_parallel
+        self.capacity = self.max_running + max_waiting  # sub-requests admitted at once
         self.metrics = Metrics(lambda: self._stats)
         self.ready = threading.Event()
         self.warmup_seconds: float | None = None
         self.draining = False
+        self.failed = False  # the engine core could not start or exited while serving
         self.tokenizer = None
         self.max_model_len: int | None = None
-        self._vocab_size = 0
+        self.vocab_size = 0
         self._stats: dict | None = None  # the engine's last stats(), replaced whole per step
         self._ids = itertools.count()
-        self._inflight = 0  # sub-requests submitted and not yet finished (event-loop side)
+        self._inflight = 0  # sub-requests admitted and not yet released (event-loop side)
         self._live: dict[str, tuple[_Choice, Submission]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,47 +154,90 @@ class AsyncEngine:
                                                                       self._warmup_structured),
                                     name="engine-core", daemon=True)
         self._process.start()
+        log.info("engine core process %d: loading %s", self._process.pid, self._model)
         cmd_recv.close()
         out_send.close()
         threading.Thread(target=self._send_loop, args=(cmd_send,), name="engine-send", daemon=True).start()
         threading.Thread(target=self._receive_loop, args=(out_recv,), name="engine-receive", daemon=True).start()
 
-    def encode(self, prompt) -> list[int]:
-        return encode_prompt(prompt, self.tokenizer, self._vocab_size, self.max_model_len)
+    @property
+    def alive(self) -> bool:
+        """Whether the engine core process is up (loading, warming up or serving)."""
+        return self._process is not None and self._process.is_alive() and not self.failed
 
-    def submit(self, prefix: str, prompts: list[list[int]], params: list[SamplingParams]) -> Submission:
-        """Queue one sub-request per (prompt, params) pair, or raise 503 at once if there is no room."""
+    def encode(self, prompt) -> list[int]:
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
+
+    def _check_serving(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if self.failed:
+            raise APIError(503, "the engine process exited; the server is stopping", type="server_error",
+                           code="engine_failed")
         if not self.ready.is_set():
             raise APIError(503, "the server is still warming up; retry when /health answers 200",
                            type="server_error", code="warming_up")
-        count = len(prompts)
-        if count > self.max_waiting:
-            raise APIError(400, f"this request needs {count} sequences (prompts x n) but the server queues at "
-                                f"most {self.max_waiting}", param="n")
-        waiting = self._inflight - (self._stats or {}).get("running", 0)
-        if waiting + count > self.max_waiting:
-            raise APIError(503, f"the waiting queue is full ({waiting} requests waiting, max_waiting="
-                                f"{self.max_waiting}); retry later", type="server_error", code="queue_full")
+
+    def admit(self, count: int, param: str) -> None:
+        """Take ``count`` sub-request slots for a request about to be prepared, or raise at once: 400
+        if it could never fit (``param`` names the field that made it big), 503 if there is no room
+        now. Every admission ends in ``submit`` (then ``release``) or ``cancel``."""
+        self._check_serving()
+        holds = (f"the server holds {self.capacity} sequences: max_num_seqs={self.max_running} running + "
+                 f"max_waiting={self.max_waiting} waiting")
+        if count > self.capacity:
+            raise APIError(400, f"this request needs {count} sequences (prompts x n), but {holds}", param=param,
+                           code="too_many_sequences")
+        if self._inflight + count > self.capacity:
+            raise APIError(503, f"the server is full ({self._inflight} sequences running or waiting; {holds}); "
+                                "retry later", type="server_error", code="queue_full")
+        self._inflight += count
+
+    def cancel(self, count: int) -> None:
+        """Give back the slots of an admission that will not be submitted (its preparation failed)."""
+        self._inflight -= count
+
+    def submit(self, request_id: str, prefix: str, prompts: list[list[int]], params: list[SamplingParams], *,
+               deadline: float | None = None, timeout_error: APIError | None = None) -> Submission:
+        """Queue one sub-request per (prompt, params) pair, on slots ``admit`` took. At ``deadline``
+        (``time.monotonic()``) a submission not yet released fails with ``timeout_error``."""
+        self._check_serving()  # shutdown may have begun while the request was prepared
         now = time.monotonic()
         choices = [_Choice(f"{prefix}-{next(self._ids)}", ids, now, p.logprobs is not None)
                    for ids, p in zip(prompts, params)]
-        sub = Submission(choices)
-        self._inflight += count
+        sub = Submission(request_id, choices)
         for c, ids, p in zip(choices, prompts, params):
             self._live[c.request_id] = (c, sub)
         self._outbox.put([("add", c.request_id, ids, p) for c, ids, p in zip(choices, prompts, params)])
+        if deadline is not None:
+            sub._timer = self._loop.call_later(deadline - now, sub._fail, timeout_error)
         return sub
 
     def release(self, sub: Submission) -> None:
         """Call once per submission when its handler is done: aborts what did not finish (a client
-        that went away) so its KV pages are freed, and frees its admission slots."""
+        that went away, a deadline) so its KV pages are freed, and frees its admission slots."""
         aborts = [("abort", rid) for rid in sub.unfinished if self._live.pop(rid, None) is not None]
         if aborts:
             self._outbox.put(aborts)
+        if sub._timer is not None:
+            sub._timer.cancel()
         self._inflight -= len(sub.request_ids)
         sub.unfinished.clear()
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests from now on and fail those still unfinished after ``timeout`` seconds
+        with a 503 ``shutting_down`` (streams end with that error event and ``[DONE]``). Safe to call
+        from a signal handler."""
+        self.draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.call_later, timeout, self._abort_all)
+
+    def _abort_all(self) -> None:
+        subs = {id(sub): sub for _, sub in self._live.values()}
+        for sub in subs.values():
+            log.warning("request %s aborted: still running when the shutdown timeout passed", sub.request_id)
+        self._on_error(None, APIError(503, "the server shut down before this request finished",
+                                      type="server_error", code="shutting_down"))
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """Stop the core, failing whatever is still queued or running; True if it exited in time."""
@@ -228,6 +280,20 @@ class AsyncEngine:
             if entry is not None:
                 entry[1]._fail(error)
 
+    def _on_engine_error(self, rid: str, status: int, message: str) -> None:
+        """A sub-request the engine refused (400: the message is for the client) or failed (the
+        message is internal: logged, and the client gets the request id to quote)."""
+        entry = self._live.get(rid)
+        if entry is None:
+            return
+        if status == 400:
+            self._on_error(rid, APIError(400, message))
+            return
+        sub = entry[1]
+        if sub._error is None:  # one line per request, not per choice
+            log.error("request %s: %s", sub.request_id, message)
+        self._on_error(rid, APIError(status, f"internal error (request id {sub.request_id})", type="server_error"))
+
     # ------------------------------------------------------------------------------ pipe threads
 
     def _send_loop(self, conn) -> None:
@@ -244,44 +310,61 @@ class AsyncEngine:
                 return
 
     def _receive_loop(self, conn) -> None:
+        cause = None  # why serving ends: "" when the front end stopped it, else the one line the log says
         try:
             self.tokenizer = load_tokenizer(resolve_model(self._model))  # while the core warms up
-            while True:
+            if self.tokenizer is not None:
+                # Built now rather than by the first constrained request, whose preparation would hold
+                # the GIL for its ~0.3 s of Python (seconds on a busy CPU) and stall the event loop.
+                compiler_for(self.tokenizer)
+            while cause is None:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
+                    cause = "" if self.draining else f"the engine core process exited unexpectedly ({self._exit()})"
                     break
                 kind = msg[0]
                 if kind == "step":
-                    self._loop.call_soon_threadsafe(self._on_step, msg[1], msg[2])
+                    cause = self._post(self._on_step, msg[1], msg[2])
                 elif kind == "error":
-                    self._loop.call_soon_threadsafe(self._on_error, msg[1], APIError(msg[2], msg[3]) if msg[2] == 400
-                                                    else APIError(msg[2], msg[3], type="server_error"))
+                    cause = self._post(self._on_engine_error, msg[1], msg[2], msg[3])
                 elif kind == "ready":
                     info = msg[1]
-                    self.max_model_len, self._vocab_size = info["max_model_len"], info["vocab_size"]
+                    self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
                     self.warmup_seconds, self._stats = info["warmup_seconds"], info["stats"]
                     self.ready.set()
                 elif kind == "stopped":
                     self._stats = msg[1]
-                    break
+                    cause = ""
                 elif kind == "fatal":
-                    raise RuntimeError(f"the engine failed to start: {msg[1]}")
-        except BaseException as e:  # noqa: BLE001 - reported to the server, which exits
-            log.error("%s", e)
-            if self._on_fatal and not self.ready.is_set():
-                self._on_fatal(e)
+                    cause = f"the engine failed to start: {msg[1]}"
+        except Exception as e:  # noqa: BLE001 - reported once, and the server exits
+            cause = f"the server {'lost its engine core' if self.ready.is_set() else 'could not start'}: " \
+                    f"{type(e).__name__}: {e}"
         finally:
             self._stopped.set()
         error = APIError(503, "the server shut down before this request finished", type="server_error",
                          code="shutting_down")
-        if not self.draining:  # the core died under us: fail everything and stop serving
-            error = APIError(500, "the engine process exited", type="server_error")
-            log.error("the engine core process exited unexpectedly")
-            if self._on_fatal and self.ready.is_set():
-                self._on_fatal(RuntimeError("the engine core process exited"))
-        if not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._on_error, None, error)
-            except RuntimeError:
-                pass  # the loop closed meanwhile
+        if cause:  # the core could not start or died under us: fail everything and stop serving
+            self.failed = True
+            log.error("%s", cause)
+            error = APIError(500, "the engine process exited before this request finished", type="server_error")
+            if self._on_fatal:
+                self._on_fatal(RuntimeError(cause))
+        self._post(self._on_error, None, error)
+
+    def _post(self, callback, *args) -> str | None:
+        """Run ``callback(*args)`` on the event loop; "" (serving is over) once that loop has closed."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed: the server is exiting
+            return ""
+        return None
+
+    def _exit(self) -> str:
+        """How the core process ended, in words (it has closed its pipe, so it is exiting)."""
+        self._process.join(5)
+        code = self._process.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"

@@ -118,14 +118,64 @@ def tool_plan(req) -> ToolPlan:
 def tool_call_schema(plan: ToolPlan) -> dict:
     """The JSON schema a forced tool call is generated under. Named: the function's arguments object.
     Required: {"name", "arguments"} for one of the tools (anyOf), a non-empty array of them when
-    parallel calls are allowed. A ``strict`` function's arguments allow no unlisted properties."""
+    parallel calls are allowed. A ``strict`` function's arguments allow no unlisted properties.
+
+    Nested under ``arguments``, a tool's parameters would lose their local references (pydantic's
+    ``#/$defs/Model``), so each tool's ``$defs``/``definitions`` move to the built schema's root
+    ``$defs`` (a name that another tool already took gets this tool's name in front) and every
+    local ``$ref`` is rewritten to where its target now is."""
     params = {t["function"]["name"]: _parameters(t) for t in plan.tools}
     if plan.mode == "named":
         return params[plan.named]
-    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                      "required": ["name", "arguments"], "additionalProperties": False}
-                     for name, schema in params.items()]}
-    return {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
+    defs: dict = {}
+    at = ["items"] if plan.parallel else []
+    one = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": name},
+        "arguments": _hoist_defs(schema, name, [*at, "anyOf", str(i), "properties", "arguments"], defs)},
+        "required": ["name", "arguments"], "additionalProperties": False}
+        for i, (name, schema) in enumerate(params.items())]}
+    built = {"type": "array", "items": one, "minItems": 1} if plan.parallel else one
+    return {**built, "$defs": defs} if defs else built
+
+
+def _hoist_defs(schema, tool: str, at: list[str], defs: dict):
+    """``schema`` (a tool's parameters, to be placed at path ``at``) without its root definitions,
+    which are added to ``defs`` (renamed where taken), its local references rewritten to match."""
+    if not isinstance(schema, dict):
+        return schema
+    renames = {}
+    for key in ("$defs", "definitions"):
+        for name in schema.get(key) or {}:
+            new, n = name, 1
+            while new in defs or new in renames.values():
+                new, n = f"{tool}.{name}" + (f".{n}" if n > 1 else ""), n + 1
+            renames[(key, name)] = new
+
+    def moved(ref: str) -> str:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")] if ref != "#" else []
+        if len(parts) >= 2 and (parts[0], parts[1]) in renames:
+            parts = ["$defs", renames[(parts[0], parts[1])], *parts[2:]]
+        else:
+            parts = [*at, *parts]
+        return "#/" + "/".join(p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: v if k in _DATA else walk(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = moved(ref)
+        return out
+
+    for (key, name), new in renames.items():
+        defs[new] = walk(schema[key][name])
+    return walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+
+
+_DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
 
 
 def _parameters(tool: dict) -> dict:

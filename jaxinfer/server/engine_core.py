@@ -13,12 +13,14 @@ Messages, front end -> core (each a list of commands, sent in batches):
 core -> front end:
     ("ready", info) once, after warm-up; ("fatal", message) if the engine could not start;
     ("step", StepOutputs, stats) once per step that produced outputs or changed state;
-    ("error", request_id, status, message) for a request the engine refused;
+    ("error", request_id, status, message) for a request the engine refused or that failed alone (400:
+        the request's own fault, the message is for the client; else the engine's, logged);
     ("stopped", stats) as the last message.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import signal
@@ -34,6 +36,7 @@ from jaxinfer.batching import multihost
 from jaxinfer.batching.engine import LLMEngine
 from jaxinfer.batching.factory import create_engine
 from jaxinfer.batching.outputs import RequestOutput
+from jaxinfer.batching.structured import compile_constraint
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +138,59 @@ class _Outbox:
                 return
 
 
+class _Constraints:
+    """Requests whose constraint is being compiled, off the engine loop: the front end compiled it in
+    its own process, but this one compiles it again, and a large schema took tens of seconds, which
+    would stall every request's next step. A request joins the engine once its constraint is ready
+    (compiled constraints are cached, so the engine's own matcher then costs a copy)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-compile")
+        self._pending: dict[str, tuple[concurrent.futures.Future, list[int], object]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, rid: str, prompt: list[int], params) -> None:
+        e = self._engine
+        future = self._pool.submit(compile_constraint, e.tokenizer, params.structured, e.model_config.vocab_size,
+                                   e.model_config.eos_token_ids)
+        self._pending[rid] = (future, prompt, params)
+
+    def abort(self, rid: str) -> bool:
+        return self._pending.pop(rid, None) is not None
+
+    def ready(self):
+        """``(request id, prompt, params, error)`` of each request whose compilation has ended."""
+        for rid, (future, prompt, params) in list(self._pending.items()):
+            if future.done():
+                del self._pending[rid]
+                yield rid, prompt, params, future.exception()
+
+
 def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
     live: set[str] = set()
+    compiling = _Constraints(engine)
+
+    def add(rid, prompt, params):
+        try:
+            engine.add_request(rid, prompt, params)
+        except (ValueError, TypeError) as e:
+            live.discard(rid)
+            outputs.send(("error", rid, 400, str(e)))
+
     # The loop's host time per step: the engine's own (step's wall time less the device wait) plus
     # the loop's work around step() (commands, the step message; not the idle wait for commands);
     # and its thread's CPU time, step included. Comparable with the offline loop's.
     around = loop_cpu = 0.0
     while True:
-        # Block only when there is nothing to compute; otherwise take what has arrived and step.
-        batches = [commands.recv()] if not engine.has_unfinished() else []
+        # Block only when there is nothing to compute (waiting a little while constraints compile);
+        # otherwise take what has arrived and step.
+        idle = not engine.has_unfinished()
+        batches = [commands.recv()] if idle and not compiling else []
+        if idle and compiling and commands.poll(0.01):
+            batches.append(commands.recv())
         t0, c0 = time.perf_counter(), time.thread_time()
         while commands.poll():
             batches.append(commands.recv())
@@ -158,29 +205,42 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
                 if cmd[0] == "abort":
                     if cmd[1] in live:
                         live.discard(cmd[1])
-                        engine.abort(cmd[1])
+                        compiling.abort(cmd[1]) or engine.abort(cmd[1])
                     continue
                 _, rid, prompt, params = cmd
-                try:
-                    engine.add_request(rid, prompt, params)
-                except (ValueError, TypeError) as e:
-                    outputs.send(("error", rid, 400, str(e)))
-                    continue
                 live.add(rid)
+                if params.structured is not None and engine.tokenizer is not None:
+                    compiling.add(rid, prompt, params)
+                else:
+                    add(rid, prompt, params)
+        for rid, prompt, params, error in compiling.ready():
+            changed = True
+            if error is None:
+                add(rid, prompt, params)
+            else:
+                live.discard(rid)
+                outputs.send(("error", rid, 400, str(error)))
         outs = []
         if engine.has_unfinished():
             try:
                 s0 = time.perf_counter()
                 outs = engine.step()
                 around -= time.perf_counter() - s0
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+            except Exception as e:  # noqa: BLE001 - the engine recovers a failed step itself; past that, fail them
                 log.exception("engine step failed")
                 for rid in live:
                     engine.abort(rid)
-                    outputs.send(("error", rid, 500, f"engine step failed: {e}"))
+                    outputs.send(("error", rid, 500, f"engine step failed: {type(e).__name__}: {e}"))
                 live.clear()
                 outs = []
                 changed = True
+        # A request that failed alone ends with its error; the others' outputs go in the step's message.
+        for o in outs:
+            if o.finish_reason == "error":
+                live.discard(o.request_id)
+                outputs.send(("error", o.request_id, 400 if o.error.invalid else 500, o.error.message))
+                changed = True
+        outs = [o for o in outs if o.finish_reason != "error"]
         if outs or changed:
             step = StepOutputs.of(outs)
             for i in step.finished:

@@ -1,28 +1,66 @@
 """OpenAI request shapes, parsed strictly so a wrong type is a 400 that names the field, never a 500.
 
-Sampling values are not range-checked here: ``SamplingParams`` owns those rules, and its
-ValueError/TypeError is mapped to a 400 whose ``param`` is the offending field.
+The fields carry the ranges the server accepts, so ``/openapi.json`` describes them and a client or
+fuzzer that follows it is not refused for a range it could not know. The ranges are
+``sampling_params``' bounds (the one copy of each limit, which ``SamplingParams`` still checks: its
+ValueError/TypeError is mapped to a 400 whose ``param`` is the offending field).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import (MAX_CHOICES, MAX_LOGPROBS, MAX_N, MAX_PENALTY, MAX_SEED, MAX_STOP_CHARS,
+                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K,
+                                      SamplingParams)
 
-MAX_N = 64
+MIN_TOP_K = -1  # SamplingParams: top_k >= -1 (-1 and 0 turn it off)
+MAX_TOKEN_ID = MAX_TOP_K  # ids travel to the device as int32
+MAX_SHOWN = 100  # characters of a client's value that an error message repeats
+
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _int(low: int, high: int | None = None):
+    """An int in [low, high] that also takes an integral float (32.0), since JSON Schema's integers
+    (what /openapi.json promises) include them; "5", true and 1.5 stay refused."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
+
+
+Text = Annotated[str, Field(min_length=1)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
+TokenId = _int(0, MAX_TOKEN_ID)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Logprobs = _int(0, MAX_LOGPROBS)
+MaxTokens = _int(1)  # SamplingParams: max_tokens >= 1
+
+
+def shown(value) -> str:
+    """``repr(value)`` cut to ``MAX_SHOWN`` characters: an error echoes what it refused, but a
+    megabyte field must not come back as a megabyte error."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text)} characters)"
 
 
 class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
+    MAX_MESSAGE = 1000  # characters: however a message was built (a compiler's diagnostics), its body stays small
+
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        if len(message) > self.MAX_MESSAGE:
+            message = message[:self.MAX_MESSAGE] + "..."
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -30,7 +68,7 @@ class APIError(Exception):
 
 class _Strict(BaseModel):
     # strict: "5" is not an int and 1.0 is not an int, as in OpenAI's API; unknown fields are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -40,11 +78,11 @@ class StreamOptions(_Strict):
 class StructuredOutputsParam(_Strict):
     """vLLM's ``structured_outputs`` object: exactly one field set."""
 
-    json_: dict | str | None = Field(None, alias="json")
+    json_: dict | Text | None = Field(None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
 
 
 class JSONSchemaFormat(_Strict):
@@ -91,38 +129,41 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+
+
 class _Sampling(_Strict):
     model: str | None = None
-    n: int = 1
+    n: _int(1, MAX_N) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None  # SamplingParams: top_p in (0, 1]
+    top_k: _int(MIN_TOP_K, MAX_TOP_K) | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # SamplingParams: min_p in [0, 1]
+    seed: _int(0, MAX_SEED) | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None  # unsupported: empty or null
     user: str | None = None
     # vLLM's constraint fields, so its clients work unchanged (at most one constraint per request).
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsParam | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Logprobs | None = None
+    echo: bool = Field(False, json_schema_extra={"const": False})  # unsupported
+    suffix: None = None  # unsupported
+    best_of: _int(1, MAX_N) | None = Field(None, description="must equal n: only n choices are generated")
 
 
 class TextPart(_Strict):
@@ -138,12 +179,20 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool turn: which call it answers
 
 
+# Some message must carry text or tool calls (the server checks it; the schema says it).
+_SOME_TEXT = {"contains": {"anyOf": [
+    {"required": ["content"], "properties": {"content": {"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "contains": {"required": ["text"], "properties": {"text": {"minLength": 1}}}}]}}},
+    {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]}}
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra=_SOME_TEXT)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -152,15 +201,15 @@ class ChatCompletionRequest(_Sampling):
 
 # Plain-words types for fields whose pydantic union errors would list every alternative.
 _FIELD_HINTS = {
-    "prompt": "a non-empty string, a list of token ids, or a list of either",
-    "stop": "a string or a list of strings",
+    "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a non-empty list of either",
+    "stop": "a non-empty string or a list of non-empty strings",
     "messages": "a non-empty list of {role, content} objects, role one of system/developer/user/assistant/tool, "
                 "content a string or a list of {type: 'text', text} parts",
     "tools": "a list of {type: 'function', function: {name, description, parameters}} objects",
     "tool_choice": "'none', 'auto', 'required' or {type: 'function', function: {name}}",
     "response_format": "{type: 'text'}, {type: 'json_object'} or {type: 'json_schema', json_schema: {name, schema, "
                        "strict}}",
-    "guided_json": "a JSON schema (an object, or its JSON text)",
+    "guided_json": "a JSON schema (an object, or its non-empty JSON text)",
     "structured_outputs": "an object with one of json, json_object, regex, choice, grammar",
 }
 
@@ -176,29 +225,37 @@ def parse(model: type[BaseModel], body: bytes):
         if err["type"] == "model_type" or not err["loc"]:
             raise APIError(400, "request body must be a JSON object") from None
         param = str(err["loc"][0])
+        if param in _UNSUPPORTED:
+            raise APIError(400, f"'{param}' is not supported by this server", param=param, code="unsupported") from None
+        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-after", "constrained-")))
         if err["type"] == "missing":
-            where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
             raise APIError(400, f"'{where}' is a required field", param=param, code="missing_field") from None
         if param in _FIELD_HINTS:
             message = f"'{param}' must be {_FIELD_HINTS[param]}"
+        elif err["type"] in _BOUNDS:
+            message = f"{where} must be {_BOUNDS[err['type']].format(**err['ctx'])}, got {shown(err.get('input'))}"
+            raise APIError(400, message, param=param, code="invalid_value") from None
         else:
-            message = f"'{param}': {err['msg']}, got {err.get('input')!r}"
+            message = f"'{where}': {err['msg']}, got {shown(err.get('input'))}"
         raise APIError(400, message, param=param, code="invalid_type") from None
 
 
+# Options this server does not support: refused by name rather than ignored (the schema admits only
+# the values that mean "off").
+_UNSUPPORTED = frozenset({"logit_bias", "echo", "suffix"})
+# Range errors in the words SamplingParams uses (every length minimum above is 1: "non-empty").
+_BOUNDS = {"greater_than_equal": ">= {ge}", "less_than_equal": "<= {le}", "greater_than": "> {gt}",
+           "less_than": "< {lt}", "too_short": "non-empty", "string_too_short": "non-empty"}
+
+
 def check_supported(req: _Sampling) -> None:
-    """Reject options this server would otherwise silently ignore."""
-    unsupported = {
-        "logit_bias": bool(req.logit_bias),
-        "echo": getattr(req, "echo", False),
-        "suffix": getattr(req, "suffix", None) is not None,
-        "best_of": getattr(req, "best_of", None) not in (None, req.n),
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
-    if not 1 <= req.n <= MAX_N:
-        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    """Reject what the types let through but this server would silently ignore: ``echo`` and a
+    ``best_of`` other than ``n``."""
+    if getattr(req, "echo", False):
+        raise APIError(400, "'echo' is not supported by this server", param="echo", code="unsupported")
+    if getattr(req, "best_of", None) not in (None, req.n):
+        raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of",
+                       code="unsupported")
 
 
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None, *,

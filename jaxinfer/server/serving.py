@@ -2,11 +2,17 @@
 
 Everything that can be wrong with a request is checked before anything is queued, so a bad
 request costs no engine work and a streamed response never starts only to fail on its input.
+
+A request is admitted (``AsyncEngine.admit``: its prompts x n counted against the free slots)
+before any of its work is done, and that work (tokenizing, chat templating, compiling an output
+constraint: seconds for a big prompt list or schema) runs in a small thread pool, never on the
+event loop that every other client, ``/health`` included, is answered from.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -23,7 +29,7 @@ from jaxinfer.server import tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
 from jaxinfer.server.constraints import ToolPlan, request_constraint, tool_plan
 from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, chat_text,
-                                      check_supported, sampling_params)
+                                      check_supported, sampling_params, shown)
 from jaxinfer.tokenizer import apply_chat_template
 
 
@@ -37,31 +43,47 @@ class _Job:
 
 
 class OpenAIServing:
+    # Preparing a request is CPU work that mostly runs without the GIL (tokenizers, llguidance): a few
+    # threads let a quick request's preparation pass a slow one's (a big schema compiles for seconds);
+    # more would only contend for the same cores.
+    PREPARE_THREADS = 4
+
     def __init__(self, engine: AsyncEngine, model_name: str, *, chat_template: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, request_timeout: float | None = None):
         """``chat_template`` replaces the tokenizer's (e.g. one that renders tools); ``tool_call_parser``
-        names the parser of ``tool_choice: "auto"`` replies (default: chosen from the template)."""
+        names the parser of ``tool_choice: "auto"`` replies (default: chosen from the template);
+        ``request_timeout``: seconds after which an unfinished request is aborted (504)."""
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
         self.tool_parser = tool_parsers.get_parser(tool_call_parser) if tool_call_parser else None
+        self.request_timeout = request_timeout
+        self._prepare = concurrent.futures.ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="prepare")
 
     # ------------------------------------------------------------------------------- endpoints
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self._check_common(req)
         raw = [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else list(req.prompt)
-        if not raw:
-            raise APIError(400, "prompt must not be empty", param="prompt")
+        return await self._serve(req, request, "cmpl", len(raw) * req.n, "prompt" if len(raw) > 1 else "n",
+                                 lambda: self.prepare_completion(req, raw))
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self._check_common(req)
+        return await self._serve(req, request, "chatcmpl", req.n, "n", lambda: self.prepare_chat(req))
+
+    # ------------------------------------------------------------------------------ validation
+
+    def prepare_completion(self, req: CompletionRequest, raw: list) -> tuple[_Job, _Renderer]:
+        """The engine's sub-requests and the response renderer of a completion (run off the event loop)."""
         prompts = [self._encode(p, "prompt") for p in raw]
         structured = request_constraint(req, self.engine.tokenizer)
         job = self._job(req, prompts, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set,
                         logprobs=req.logprobs, structured=structured)
-        render = _CompletionRenderer(self, req)
-        return await self._respond(req, job, "cmpl", render, request)
+        return job, _CompletionRenderer(self, req)
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        self._check_common(req)
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[_Job, _Renderer]:
+        """The engine's sub-request and the response renderer of a chat completion (run off the event loop)."""
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tokenizer = self.engine.tokenizer
@@ -86,10 +108,7 @@ class OpenAIServing:
                         logprobs_param="top_logprobs", structured=structured)
         parser = self.tool_parser or tool_parsers.parser_for_template(self.chat_template or
                                                                       str(tokenizer.chat_template or ""))
-        render = _ChatRenderer(self, req, plan, parser)
-        return await self._respond(req, job, "chatcmpl", render, request)
-
-    # ------------------------------------------------------------------------------ validation
+        return job, _ChatRenderer(self, req, plan, parser)
 
     def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
@@ -100,12 +119,9 @@ class OpenAIServing:
 
     def _check_common(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise APIError(400, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+            raise APIError(404, f"model {shown(req.model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         check_supported(req)
-        if not self.engine.ready.is_set():
-            raise APIError(503, "the server is still warming up; retry when /health answers 200",
-                           type="server_error", code="warming_up")
 
     def _encode(self, prompt, param: str) -> list[int]:
         try:
@@ -138,8 +154,30 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------------- responses
 
-    async def _respond(self, req, job: _Job, kind: str, render, request: Request) -> Response:
-        sub = self.engine.submit(f"{kind}-{uuid.uuid4().hex[:16]}", job.choice_prompts, job.params)
+    async def _serve(self, req, request: Request, kind: str, count: int, param: str,
+                     prepare: Callable[[], tuple[_Job, _Renderer]]) -> Response:
+        """Admit ``count`` sub-requests, prepare them off the event loop, queue them and respond."""
+        deadline = timeout = None
+        if self.request_timeout is not None:
+            deadline = time.monotonic() + self.request_timeout
+            timeout = APIError(504, f"the request did not finish within the server's request timeout of "
+                                    f"{self.request_timeout:g}s", type="server_error", code="request_timeout")
+        self.engine.admit(count, param)
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self._prepare, prepare)
+            try:
+                job, render = await asyncio.wait_for(work, None if deadline is None else deadline - time.monotonic())
+            except TimeoutError:
+                raise timeout from None
+            request_id = request.state.request_id
+            sub = self.engine.submit(request_id, f"{kind}-{uuid.uuid4().hex[:16]}", job.choice_prompts, job.params,
+                                     deadline=deadline, timeout_error=timeout)
+        except BaseException:
+            self.engine.cancel(count)
+            raise
+        return await self._respond(req, job, sub, render, request)
+
+    async def _respond(self, req, job: _Job, sub: Submission, render, request: Request) -> Response:
         index = {rid: i for i, rid in enumerate(sub.request_ids)}
         release = lambda: self.engine.release(sub)  # noqa: E731
         if req.stream:
@@ -265,7 +303,7 @@ def _call_id() -> str:
 
 
 def _is_ids(prompt) -> bool:
-    return all(isinstance(t, int) for t in prompt)  # [] too: one empty prompt, rejected by encode
+    return all(isinstance(t, int) for t in prompt)
 
 
 class _Renderer:

@@ -1,0 +1,87 @@
+"""Schemathesis against the live server's /openapi.json: requests drawn from the description, valid
+ones and (for bodies) invalid ones, each response checked against it: no 5xx, only documented
+statuses, content types, headers and bodies, and every invalid request refused.
+
+A tiny random model with SmolLM2's tokenizer and chat template serves (scripts/make_dummy_model.py), so
+chat, constraints and text prompts all run, and a step costs milliseconds. What the description
+cannot say (a prompt plus max_tokens over the context, prompts x n over the server's room, a regex
+that does not compile) is still refused with a 400, so "valid requests are accepted" is not checked;
+the full default-budget run is ``schemathesis run URL/openapi.json``.
+"""
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from test_server import ROOT, Server, wait_until_idle
+
+schemathesis = pytest.importorskip("schemathesis")
+hypothesis = pytest.importorskip("hypothesis")
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,  # noqa: E402
+                                               response_headers_conformance, response_schema_conformance,
+                                               status_code_conformance)
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance, negative_data_rejection]
+EXAMPLES = {"positive": 10, "negative": 25}  # per route and mode
+MAX_TOKENS, MAX_N = 1, 4  # generation is not what is fuzzed: one token each, from the prompt's step
+# Left out of valid requests: the engine compiles a penalised step anew for each request (seconds each).
+PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = tmp_path_factory.mktemp("model")
+    subprocess.run([sys.executable, "scripts/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
+                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={model}"],
+                   cwd=ROOT, check=True, capture_output=True)
+    srv = Server([f"--model={model}", "--load_format=dummy", "--max_num_seqs=16", "--max_num_batched_tokens=64",
+                  "--max_model_len=256", "--token_buckets=16,64", "--seq_buckets=16", "--page_buckets=16",
+                  "--max_waiting=64"])
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("mode", list(EXAMPLES))
+def test_fuzz_every_route(server, mode):
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                              "/metrics"}
+    statuses = []
+    for op in operations:
+        if mode == "negative" and op.method.upper() == "GET":
+            continue  # nothing to get wrong: the GET routes take no parameters
+
+        @hypothesis.settings(max_examples=EXAMPLES[mode], deadline=None, database=None, derandomize=True,
+                             phases=[hypothesis.Phase.generate], suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(case=op.as_strategy(schemathesis.GenerationMode(mode)))
+        def fuzz(case):
+            if isinstance(case.body, dict):
+                tokens = "max_tokens" if op.path == "/v1/completions" else "max_completion_tokens"
+                value = case.body.get(tokens)  # null or missing: the rest of the context
+                if value is None or type(value) is int and value > MAX_TOKENS:
+                    case.body[tokens] = MAX_TOKENS
+                if type(case.body.get("n")) is int and case.body["n"] > MAX_N:
+                    case.body["n"] = MAX_N
+                for penalty in PENALTIES:
+                    if isinstance(case.body.get(penalty), float | int) and mode == "positive":
+                        case.body[penalty] = None
+            response = case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=300)
+            statuses.append((op.path, response.status_code))
+
+        fuzz()
+    assert {s // 100 for _, s in statuses} >= {4}
+    if mode == "positive":  # some schema-valid requests get generated text, not merely a refusal
+        assert {p for p, s in statuses if s == 200} >= {"/v1/completions", "/v1/chat/completions"}, statuses
+
+
+def test_healthy_and_idle_after_fuzzing(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    wait_until_idle(server.url)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "A year:", "max_tokens": 4,
+                                                         "guided_regex": "(19|20)[0-9]{2}"}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 4
