@@ -19,10 +19,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.formats import INT4_GROUPS, SCHEMES
 from jaxinfer.quant.qarray import QArray
 
-INT4_GROUPS = (32, 64, 128)
-SCHEMES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS), "fp8")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 

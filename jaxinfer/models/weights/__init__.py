@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxinfer.formats import LOAD_FORMATS, QUANTIZATIONS, SCHEMES
 from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig
 from jaxinfer.models.spec import Weights, arrange_layers, init_dummy_weights
@@ -43,14 +44,10 @@ from jaxinfer.models.weights.converted import (converted_config, quantize_weight
 from jaxinfer.models.weights.gguf import cached_gguf_config, dequantized_gguf, load_gguf
 from jaxinfer.models.weights.hf import hf_config, load_hf
 from jaxinfer.models.weights.source import ModelFileError, ModelSource, resolve_model
-from jaxinfer.quant import SCHEMES, check_device_supports, parse_scheme, quantize
+from jaxinfer.quant import check_device_supports, parse_scheme, quantize
 
 __all__ = ["LOAD_FORMATS", "QUANTIZATIONS", "ModelFileError", "ModelSource", "load_config", "load_model",
            "resolve_model", "save_converted", "saved_quantization"]
-
-LOAD_FORMATS = ("auto", "dummy")
-# "none": full precision; "gguf": a GGUF file's blocks as they are; the rest: quantized at load.
-QUANTIZATIONS = ("none", "gguf", *SCHEMES)
 
 
 def load_config(source: ModelSource) -> ModelConfig:
