@@ -22,10 +22,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(STAMP)
-	$(PY) scripts/generate.py --chat "Write a haiku about the sea." --max_tokens 64
+	$(PY) -m jaxinfer generate --chat "Write a haiku about the sea." --max_tokens 64
 
 serve: $(STAMP)
-	$(PY) scripts/serve.py
+	$(PY) -m jaxinfer serve
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py

@@ -15,7 +15,7 @@ from jaxinfer.user_cache import derived_from
 
 log = logging.getLogger(__name__)
 
-# Converted (orbax) directories keep the source's tokenizer here, written by convert_checkpoint.py.
+# Converted (orbax) directories keep the source's tokenizer here, written by ``jaxinfer convert``.
 CONVERTED_TOKENIZER_DIR = "tokenizer"
 # A UTF-8 character is at most 4 bytes, so at most 4 tokens can be waiting for it to complete;
 # text still ending in U+FFFD after that many is genuinely invalid and is emitted as is.

@@ -1,7 +1,7 @@
 """Load-test an OpenAI-compatible server (streamed requests, Poisson arrivals or a fixed concurrency), and
 optionally the offline engine on the same requests in the same run, so the server-to-engine ratio is one command.
 
-    python scripts/serve.py &                                  # then, once /health answers 200:
+    jaxinfer serve &                                           # then, once /health answers 200:
     python scripts/bench_serving.py --num_prompts 64 --request_rate 4 --out bench.json
     # Everything in one run: start the server, load it, stop it, run the same requests offline.
     python scripts/bench_serving.py --launch --offline --model smollm2-135m --num_prompts 64 \\
@@ -33,14 +33,13 @@ import httpx
 import numpy as np
 from absl import app, flags
 
-import engine_flags  # scripts/ is on sys.path when run as a script
-import model_flags
-from server_launch import free_port, wait_healthy
+from jaxinfer.cli import engine_flags, model_flags
+from server_launch import SERVE, free_port, wait_healthy  # a benchmark's folder is on sys.path when it runs
 
 flags.adopt_module_key_flags(model_flags)
 flags.adopt_module_key_flags(engine_flags)
 flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "Server address (ignored with --launch).")
-flags.DEFINE_boolean("launch", False, "Start scripts/serve.py with this script's model and engine flags, "
+flags.DEFINE_boolean("launch", False, "Start jaxinfer serve with this script's model and engine flags, "
                      "wait until it is healthy, and stop it after the load.")
 flags.DEFINE_float("launch_timeout", 1800.0, "--launch: seconds to wait for /health (warm-up compiles every shape).")
 flags.DEFINE_boolean("offline", False, "Also run the same requests through the offline engine (same config, "
@@ -246,13 +245,13 @@ def percentiles(samples: dict[str, list[float]]) -> dict:
 
 
 class LaunchedServer:
-    """scripts/serve.py with this run's model and engine flags, on a free port."""
+    """``jaxinfer serve`` with this run's model and engine flags, on a free port."""
 
     def __init__(self, max_waiting: int):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), f"--port={port}",
+        cmd = [*SERVE, f"--port={port}",
                f"--max_waiting={max_waiting}", *engine_flags.command_line(),
                *(["--warmup_structured"] if F.response_format else [])]
         print("launching:", " ".join(cmd), f"(log: {self.log.name})", flush=True)

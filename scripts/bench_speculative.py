@@ -32,7 +32,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-import model_flags  # scripts/ is on sys.path when run as a script
+from jaxinfer.cli import model_flags
 
 flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, draft.")

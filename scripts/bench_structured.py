@@ -30,8 +30,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-import engine_flags  # scripts/ is on sys.path when run as a script
-import model_flags
+from jaxinfer.cli import engine_flags, model_flags
 
 flags.adopt_module_key_flags(engine_flags)
 flags.adopt_module_key_flags(model_flags)

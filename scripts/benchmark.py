@@ -16,7 +16,7 @@ Workloads (``--workload``):
               runs of 128 tokens, the engine's alternating with llama.cpp's), 8 x (128 + 128)
               overall output tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
               in fresh processes) and the step time of every (tokens, seqs) bucket.
-  startup     ``make serve`` (scripts/serve.py, its defaults) from launch to /health 200: a first start
+  startup     ``make serve`` (jaxinfer serve, its defaults) from launch to /health 200: a first start
               with empty user caches, then a restart (twice each; the engine core's log gives the split).
 
     python scripts/benchmark.py                                   # offline, embedded model, CPU
@@ -47,7 +47,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-import model_flags  # scripts/ is on sys.path when run as a script
+from jaxinfer.cli import model_flags
 
 flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, decode, hf, cpu, "
@@ -432,22 +432,21 @@ def license_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def start_up(cache_home: str) -> dict:
-    """``make serve`` (scripts/serve.py, its defaults) from launch to ``/health`` answering 200, with
+    """``make serve`` (``jaxinfer serve``, its defaults) from launch to ``/health`` answering 200, with
     ``XDG_CACHE_HOME=cache_home`` (empty: a newcomer's first start, no compiled steps, converted
     tokenizer or dequantized weights kept yet); the engine core's own log gives the share of
     loading and of compiling. The server is stopped after."""
     import re
     import signal
-    from server_launch import free_port, wait_healthy
+    from server_launch import SERVE, free_port, wait_healthy
     port = free_port()
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
     env = dict(os.environ, XDG_CACHE_HOME=cache_home)
     with tempfile.TemporaryFile("w+") as logf:
         def tail():
             logf.seek(0)
             return logf.read()[-3000:]
 
-        proc = subprocess.Popen([sys.executable, script, f"--model={F.model}", f"--port={port}"], env=env,
+        proc = subprocess.Popen([*SERVE, f"--model={F.model}", f"--port={port}"], env=env,
                                 stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             health_s = wait_healthy(proc, f"http://127.0.0.1:{port}", 1800.0, tail)

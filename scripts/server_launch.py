@@ -1,4 +1,4 @@
-"""Starting scripts/serve.py from a benchmark and waiting for it to answer ``/health`` (benchmark.py's
+"""Starting ``jaxinfer serve`` from a benchmark and waiting for it to answer ``/health`` (benchmark.py's
 start-up timer and bench_serving.py's ``--launch`` both do). Defines no flags, so any script may
 import it."""
 
@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 from typing import Callable
 
 import httpx
+
+# The server's command, its flags to follow: the entry point ``make serve`` runs, in this interpreter.
+SERVE = (sys.executable, "-m", "jaxinfer", "serve")
 
 
 def free_port() -> int:
@@ -24,11 +28,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_tail: Cal
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"serve.py exited with {proc.returncode}:\n{log_tail()}")
+            raise RuntimeError(f"jaxinfer serve exited with {proc.returncode}:\n{log_tail()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return time.monotonic() - t0
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
-    raise RuntimeError(f"serve.py was not healthy after {timeout:.0f}s:\n{log_tail()}")
+    raise RuntimeError(f"jaxinfer serve was not healthy after {timeout:.0f}s:\n{log_tail()}")

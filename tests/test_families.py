@@ -255,7 +255,7 @@ def test_gguf_layouts_match_transformers(tmp_path, family, monkeypatch):
 
 
 def test_server_serves_a_qwen2_checkpoint_with_chat_and_streaming(tmp_path, smollm2_tokenizer):
-    """scripts/serve.py on a Qwen2 directory (SmolLM2's tokenizer and chat template, so the vocabulary
+    """``jaxinfer serve`` on a Qwen2 directory (SmolLM2's tokenizer and chat template, so the vocabulary
     is a real one): streamed and whole chat replies equal the offline engine's greedy chat."""
     import openai
     import transformers

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server over real HTTP: a real scripts/serve.py process per fixture.
+"""The OpenAI-compatible server over real HTTP: a real ``jaxinfer serve`` process per fixture.
 
 SmolLM2-135M answers the correctness tests (small limits and few buckets keep its warm-up short), served
 with SmolLM2's template extended with tools (its own output without tools is unchanged);
@@ -29,6 +29,7 @@ from jaxinfer.server.serving import OpenAIServing
 from jaxinfer.tokenizer import apply_chat_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVE = [sys.executable, "-m", "jaxinfer", "serve"]  # the server's entry point, its flags to follow
 MODEL = "smollm2-135m"
 SMOLLM2_ARGS = ["--max_num_seqs=8", "--max_num_batched_tokens=64", "--max_model_len=512", "--token_buckets=8,64",
                 "--seq_buckets=8", "--page_buckets=8,32", "--max_waiting=64", "--max_request_bytes=65536",
@@ -44,7 +45,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "scripts/serve.py", f"--port={self.port}", *args], cwd=ROOT,
+        self.proc = subprocess.Popen([*SERVE, f"--port={self.port}", *args], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:

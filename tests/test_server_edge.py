@@ -25,7 +25,7 @@ from starlette.testclient import TestClient
 
 from jaxinfer.server.app import create_app
 from jaxinfer.server.metrics import Metrics
-from test_server import ROOT, Server, wait_until_idle
+from test_server import ROOT, SERVE, Server, wait_until_idle
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -238,7 +238,7 @@ def test_api_key_from_the_environment_guards_v1_and_metrics(edge):
 
 def test_a_busy_port_fails_at_once_without_loading_the_model(edge, model):
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "scripts/serve.py", f"--port={edge.port}", f"--model={model}", *ENGINE],
+    out = subprocess.run([*SERVE, f"--port={edge.port}", f"--model={model}", *ENGINE],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "cannot listen on 127.0.0.1" in out.stderr and "engine core" not in out.stderr + out.stdout, out.stderr
@@ -333,7 +333,7 @@ def test_engine_dying_during_warmup_stops_the_server(model, tmp_path):
     cause) and exits non-zero instead of answering 'warming up' forever."""
     log_path = tmp_path / "log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--port=0", f"--model={model}", *ENGINE],
+        proc = subprocess.Popen([*SERVE, "--port=0", f"--model={model}", *ENGINE],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

@@ -49,7 +49,7 @@ class EngineConfig:
     - ``quantization="auto"``: a GGUF file runs in its own blocks unless ``dtype`` is given (then
       it is dequantized to that dtype at load); on CPU through a native kernel built on first use,
       so only where a C++ compiler is found (else float32, with a warning); a directory written by
-      ``scripts/convert_checkpoint.py --quantization Q`` as it was saved; other sources in full
+      ``jaxinfer convert --quantization Q`` as it was saved; other sources in full
       precision (``"gguf"`` asks for the blocks explicitly). ``"int8"``,
       ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
     - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in

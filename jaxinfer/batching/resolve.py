@@ -145,7 +145,7 @@ def resolve(config: EngineConfig, model: ModelFacts, facts: DeviceFacts,
     quantization = config.quantization
     if quantization == "auto":
         # A GGUF runs in its own blocks unless a dtype is asked for (then dequantized at load); a
-        # directory written by convert_checkpoint as it was saved; other sources in full precision.
+        # directory written by jaxinfer convert as it was saved; other sources in full precision.
         in_blocks = (model.source_kind == "gguf" and config.dtype == "auto" and config.load_format != "dummy"
                      and not sharded)
         if in_blocks and not backend.gguf_in_blocks():

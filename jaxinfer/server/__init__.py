@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server around ``LLMEngine`` (see ``scripts/serve.py``)."""
+"""An OpenAI-compatible HTTP server around ``LLMEngine`` (``jaxinfer serve``: ``jaxinfer.cli.serve``)."""
 
 from jaxinfer.server.app import create_app
 from jaxinfer.server.async_engine import AsyncEngine

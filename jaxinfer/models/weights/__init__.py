@@ -23,7 +23,7 @@ the device. int4 loads from GGUF and safetensors also follow the first token thr
 layers and weigh each matrix's grid search by that token's activations
 (``assemble.Assembler._sink_importance``); float orbax checkpoints and dummy weights
 (``converted.quantize_weights``, ``init_dummy_weights``) are quantized unweighted. An orbax
-directory saved quantized (``save_converted``, ``scripts/convert_checkpoint.py --quantization``)
+directory saved quantized (``save_converted``, ``jaxinfer convert --quantization``)
 restores its ``QArray``s as they were saved, and is loaded only with that quantization
 (``saved_quantization``).
 """
@@ -79,7 +79,7 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     source = resolve_model(model)
     saved = saved_quantization(source)
     if saved != "none" and load_format != "dummy" and not _same_quantization(saved, quantization):
-        raise ValueError(f"{model!r} holds weights quantized as {saved!r} (scripts/convert_checkpoint.py); load it "
+        raise ValueError(f"{model!r} holds weights quantized as {saved!r} (jaxinfer convert); load it "
                          f"with quantization={saved!r} (the engine's 'auto' does), or convert the source again")
     if quantization == "gguf" and saved != "gguf" and (source.kind != "gguf" or load_format == "dummy"):
         raise ValueError(f"quantization='gguf' keeps a .gguf file's own blocks; {model!r} "

@@ -1,5 +1,5 @@
 """Converted checkpoints: weights as the loaders built them, saved with orbax (``save_converted``,
-``scripts/convert_checkpoint.py``) and restored array by array, with no dequantizing, transposing,
+``jaxinfer convert``) and restored array by array, with no dequantizing, transposing,
 fusing or norm folding to do again (int4's grid search alone takes minutes a billion parameters on
 a CPU). Quantized weights are saved as their ``QArray`` fields and restored as saved, so such a
 directory is loaded only with the quantization it holds (``saved_quantization``).
@@ -96,7 +96,7 @@ def restore_converted(path: str, dtype: np.dtype, mesh: Mesh | None) -> Weights:
     meta = read_json(meta_file)
     if meta.get("layout") != CONVERTED_LAYOUT:
         raise ModelFileError(meta_file, f"converted by an older jaxinfer (weight layout {meta.get('layout', 1)}, "
-                             f"now {CONVERTED_LAYOUT}); convert the checkpoint again (scripts/convert_checkpoint.py)")
+                             f"now {CONVERTED_LAYOUT}); convert the checkpoint again (jaxinfer convert)")
     saved = converted_config(path)
     quantized = meta.get("quantized", {})
     if mesh is None:

@@ -81,13 +81,13 @@ def resolve_model(model: str) -> ModelSource:
             raise ModelFileError(config, "missing: a Hugging Face model directory needs it beside its *.safetensors")
         if not os.path.isfile(config):
             raise ModelFileError(path, "not a model directory: no config.json and *.safetensors (Hugging Face), "
-                                 f"no {CONVERTED_CONFIG} (scripts/convert_checkpoint.py)")
+                                 f"no {CONVERTED_CONFIG} (jaxinfer convert)")
         if not has_weights:
             raise ModelFileError(path, "model directory has no *.safetensors weights")
         return ModelSource("hf", path)
     raise ValueError(f"unknown model {model!r}: expected a preset ({', '.join(PRESETS)}), a .gguf file, a "
                      "Hugging Face directory with config.json and *.safetensors, or a directory written by "
-                     "scripts/convert_checkpoint.py")
+                     "jaxinfer convert")
 
 
 def _packaged_smollm2() -> str:

@@ -1,25 +1,26 @@
-"""The flags that choose and load the model, shared by serve.py, generate.py and benchmark.py so that
-each means, defaults to and is checked the same everywhere. Importing this module defines them; a
-script adopts them (``flags.adopt_module_key_flags``) so that its ``--help`` lists them."""
+"""The flags that choose and load the model, shared by ``jaxinfer serve``, ``jaxinfer generate`` and the
+benchmarks (``benchmarks/benchmark.py``...) so that each means, defaults to and is checked the same
+everywhere. Importing this module defines them; a command adopts them (``flags.adopt_module_key_flags``)
+so that its ``--help`` lists them. It imports no JAX (the choices come from ``jaxinfer.formats``)."""
 
 from __future__ import annotations
 
 from absl import flags
 
-from jaxinfer.models.weights import QUANTIZATIONS
+from jaxinfer.formats import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
 flags.DEFINE_string("model", "smollm2-135m", "Preset name (e.g. llama3-8b), local Hugging Face directory, "
                     "or .gguf file.")
-flags.DEFINE_enum("load_format", "auto", ["auto", "dummy"], "'auto' reads the weights; 'dummy' uses random "
+flags.DEFINE_enum("load_format", "auto", LOAD_FORMATS, "'auto' reads the weights; 'dummy' uses random "
                   "ones of the same shapes.")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and KV cache dtype (auto: "
                   "float32 on CPU, bfloat16 on accelerators).")
 flags.DEFINE_enum("quantization", "auto", ["auto", *QUANTIZATIONS],
                   "Weight quantization (auto: a .gguf file runs in its own blocks unless --dtype is given, on "
                   "CPU through a native kernel built once with the C++ compiler, float32 if there is none; a "
-                  "directory written by convert_checkpoint.py --quantization as saved; gguf: those blocks; "
+                  "directory written by jaxinfer convert --quantization as saved; gguf: those blocks; "
                   "none: full precision; int8/int4[-gN]/fp8: quantized at load).")
-flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8"],
+flags.DEFINE_enum("kv_cache_dtype", "auto", KV_CACHE_DTYPES,
                   "KV cache storage (vLLM's --kv-cache-dtype): auto: the model's dtype; int8 / fp8 (e4m3): "
                   "codes with a float32 scale per token and kv head, about half of bf16's bytes.")
 flags.DEFINE_string("compilation_cache_dir", None, "Persistent XLA compilation cache (default: "
@@ -49,7 +50,7 @@ def parallel_options() -> dict:
 
 def init_distributed() -> bool:
     """Join the multi-process run the flags describe (before anything touches a device); returns
-    whether this process is a follower, which runs the steps process 0 sends instead of the script
+    whether this process is a follower, which runs the steps process 0 sends instead of the command
     (see ``jaxinfer.batching.multihost``)."""
     F = flags.FLAGS
     if F.coordinator_address is None:

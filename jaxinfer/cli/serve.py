@@ -1,15 +1,15 @@
 """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
 /openapi.json and /docs.
 
-    python scripts/serve.py                               # smollm2-135m on 127.0.0.1:8000
-    python scripts/serve.py --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
-    python scripts/serve.py --model /path/to/llama-70b --tensor_parallel 8      # one host, 8 devices
+    jaxinfer serve                                        # smollm2-135m on 127.0.0.1:8000
+    jaxinfer serve --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
+    jaxinfer serve --model /path/to/llama-70b --tensor_parallel 8      # one host, 8 devices
 
 The engine steps in its own process (jaxinfer/server/engine_core.py); this one serves HTTP. The
-engine flags live in engine_flags.py (shared with bench_serving.py); their defaults suit a small CPU.
-Every step shape is compiled (or loaded from the persistent compilation cache) before /health
-answers 200; the engine's CPU buckets are few and coarse. The port is taken first, so a busy one
-fails at once instead of after the model has loaded.
+engine flags live in jaxinfer/cli/engine_flags.py (shared with benchmarks/bench_serving.py); their
+defaults suit a small CPU. Every step shape is compiled (or loaded from the persistent compilation
+cache) before /health answers 200; the engine's CPU buckets are few and coarse. The port is taken
+first, so a busy one fails at once instead of after the model has loaded.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import signal
 import socket
 import sys
 
-from absl import app, flags
+from absl import flags
 
-import engine_flags  # scripts/ is on sys.path when run as a script
-import model_flags
+from jaxinfer.cli import engine_flags, model_flags
 
 flags.adopt_module_key_flags(model_flags)
 flags.adopt_module_key_flags(engine_flags)
@@ -68,64 +67,14 @@ F = flags.FLAGS
 SHUTDOWN_GRACE = 5.0
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (uvicorn listens on it), or exit with one line saying why not."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as e:
-        sys.exit(f"serve.py: cannot listen on {host}:{port}: {e.strerror or e}")
-    return sock
-
-
-def allowed_hosts(host: str) -> tuple[str, ...] | None:
-    """--allowed_hosts, or its default for the address served: loopback names on a loopback address."""
-    if F.allowed_hosts is not None:
-        return None if "*" in F.allowed_hosts else tuple(F.allowed_hosts)
-    from jaxinfer.server.app import LOOPBACK_HOSTS
-
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        loopback = False
-    return LOOPBACK_HOSTS if loopback else None
-
-
-def api_key() -> str | None:
-    """--api_key, --api_key_file's first line, or $JAXINFER_API_KEY, in that order."""
-    if F.api_key and F.api_key_file:
-        sys.exit("serve.py: give --api_key or --api_key_file, not both")
-    if F.api_key_file:
-        try:
-            with open(F.api_key_file) as f:
-                key = f.readline().strip()
-        except OSError as e:
-            sys.exit(f"serve.py: --api_key_file: {e}")
-        if not key:
-            sys.exit(f"serve.py: --api_key_file {F.api_key_file} is empty")
-        return key
-    return F.api_key or os.environ.get("JAXINFER_API_KEY") or None
-
-
 def main(argv):
+    """The flags, read once into ``serve``'s arguments; the port is bound before anything loads."""
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serving = F.coordinator_address is None or F.process_id == 0
     sock = listening_socket(F.host, F.port) if serving else None
-    key = api_key()
-    chat_template = None
-    if F.chat_template:
-        try:
-            with open(F.chat_template) as f:
-                chat_template = f.read()
-        except OSError as e:
-            sys.exit(f"serve.py: --chat_template: {e}")
-    import jax
-    import uvicorn
-
+    key = api_key(F.api_key, F.api_key_file)
+    chat_template = read_chat_template(F.chat_template)
     config = engine_flags.engine_config()
     if not serving:  # run process 0's steps, serve no HTTP
         from jaxinfer.batching.factory import run_follower
@@ -133,6 +82,25 @@ def main(argv):
         return run_follower(F.model, config)
     # Process 0 of several joins the run in its engine core, the process that touches devices.
     distributed = (F.coordinator_address, F.num_processes, F.process_id) if F.coordinator_address else None
+    serve(sock, F.model, config, distributed=distributed, max_waiting=F.max_waiting,
+          warmup_structured=F.warmup_structured, shutdown_timeout=F.shutdown_timeout,
+          timeout_keep_alive=F.timeout_keep_alive, timeout_headers=F.timeout_headers,
+          log_address=f"http://{F.host}:{F.port}",
+          app_options=dict(served_model_name=F.served_model_name or F.model, api_key=key,
+                           max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout,
+                           chat_template=chat_template, tool_call_parser=F.tool_call_parser,
+                           request_timeout=F.request_timeout, body_timeout=F.timeout_body,
+                           max_concurrent_requests=F.max_concurrent_requests,
+                           allowed_hosts=allowed_hosts(F.host, F.allowed_hosts), metrics_public=F.metrics_public))
+
+
+def serve(sock: socket.socket, model: str, config, *, distributed, max_waiting: int, warmup_structured: bool,
+          shutdown_timeout: float, timeout_keep_alive: float, timeout_headers: float, log_address: str,
+          app_options: dict) -> None:
+    """Serve ``model`` on the bound ``sock`` until SIGTERM / SIGINT or a fatal engine error; exits the
+    process (0, or 1 after an engine failure). ``app_options``: ``create_app``'s."""
+    import jax
+    import uvicorn
 
     from jaxinfer.server import AsyncEngine, create_app
     from jaxinfer.server.app import header_timeout_protocol
@@ -147,32 +115,27 @@ def main(argv):
         failed.append(error)
         server.should_exit = True
 
-    engine = AsyncEngine(F.model, config, max_waiting=F.max_waiting, on_fatal=on_fatal, distributed=distributed,
-                         warmup_structured=F.warmup_structured)
-    fastapi_app = create_app(engine, served_model_name=F.served_model_name or F.model, api_key=key,
-                             max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout,
-                             chat_template=chat_template, tool_call_parser=F.tool_call_parser,
-                             request_timeout=F.request_timeout, body_timeout=F.timeout_body,
-                             max_concurrent_requests=F.max_concurrent_requests,
-                             allowed_hosts=allowed_hosts(F.host), metrics_public=F.metrics_public)
+    engine = AsyncEngine(model, config, max_waiting=max_waiting, on_fatal=on_fatal, distributed=distributed,
+                         warmup_structured=warmup_structured)
+    fastapi_app = create_app(engine, **app_options)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            engine.drain(F.shutdown_timeout)  # refuse new requests at once; running ones get shutdown_timeout
+            engine.drain(shutdown_timeout)  # refuse new requests at once; running ones get shutdown_timeout
             super().handle_exit(sig, frame)
 
     # timeout_keep_alive: uvicorn's default of 5 s closes an idle kept-alive connection while a busy
     # client may just be sending its next request on it, which the client sees as a ReadError; 75 s
     # outlives the idle time of any pooling client under load (and matches vLLM's TIMEOUT_KEEP_ALIVE).
     server = Server(uvicorn.Config(fastapi_app, log_level="info",
-                                   timeout_graceful_shutdown=F.shutdown_timeout + SHUTDOWN_GRACE,
-                                   timeout_keep_alive=F.timeout_keep_alive,
-                                   http=header_timeout_protocol(F.timeout_headers)))
+                                   timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE,
+                                   timeout_keep_alive=timeout_keep_alive,
+                                   http=header_timeout_protocol(timeout_headers)))
     # uvicorn re-raises the signal that stopped it once it is done; with the default handlers that
     # would turn a clean SIGTERM shutdown into death by signal, so make the re-raise a no-op.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logging.info("listening on http://%s:%d", F.host, F.port)
+    logging.info("listening on %s", log_address)
     server.run(sockets=[sock])
     code = 1 if failed else 0
     if not engine.shutdown(timeout=5):
@@ -184,5 +147,55 @@ def main(argv):
     sys.exit(code)
 
 
-if __name__ == "__main__":
-    app.run(main)
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it), or exit with one line saying why not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sys.exit(f"jaxinfer serve: cannot listen on {host}:{port}: {e.strerror or e}")
+    return sock
+
+
+def allowed_hosts(host: str, names: list[str] | None) -> tuple[str, ...] | None:
+    """--allowed_hosts (``names``), or its default for the address served: loopback names on a loopback
+    address."""
+    if names is not None:
+        return None if "*" in names else tuple(names)
+    from jaxinfer.server.app import LOOPBACK_HOSTS
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    return LOOPBACK_HOSTS if loopback else None
+
+
+def api_key(key: str | None, key_file: str | None) -> str | None:
+    """--api_key, --api_key_file's first line, or $JAXINFER_API_KEY, in that order."""
+    if key and key_file:
+        sys.exit("jaxinfer serve: give --api_key or --api_key_file, not both")
+    if key_file:
+        try:
+            with open(key_file) as f:
+                key = f.readline().strip()
+        except OSError as e:
+            sys.exit(f"jaxinfer serve: --api_key_file: {e}")
+        if not key:
+            sys.exit(f"jaxinfer serve: --api_key_file {key_file} is empty")
+        return key
+    return key or os.environ.get("JAXINFER_API_KEY") or None
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """--chat_template's text (None: the model's own)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        sys.exit(f"jaxinfer serve: --chat_template: {e}")

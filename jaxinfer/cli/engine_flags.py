@@ -1,6 +1,7 @@
-"""The engine flags of the server (sizes, buckets, KV pool), shared by serve.py and bench_serving.py so
-that a benchmark's server and its offline peer run exactly the same ``EngineConfig``. Importing this
-module defines them (next to model_flags'); a script adopts them with ``flags.adopt_module_key_flags``.
+"""The engine flags of the server (sizes, buckets, KV pool), shared by ``jaxinfer serve`` and
+``benchmarks/bench_serving.py`` so that a benchmark's server and its offline peer run exactly the same
+``EngineConfig``. Importing this module defines them (next to model_flags'); a command adopts them with
+``flags.adopt_module_key_flags``. It imports no JAX.
 
 The defaults are sized for a small CPU: every step shape is compiled before the server is ready.
 Unset bucket flags leave the buckets to the engine, which picks them per backend (few, coarse ones
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from absl import flags
 
-import model_flags  # defines --model, --load_format, --dtype, --compilation_cache_dir, parallel sizes
+from jaxinfer.cli import model_flags  # defines --model, --load_format, --dtype, --compilation_cache_dir, parallel sizes
 
 flags.DEFINE_integer("max_num_seqs", 16, "Most sequences computed together in one step.")
 flags.DEFINE_integer("max_num_batched_tokens", 128, "Token budget of one step (prefill chunks plus decodes).")
@@ -42,7 +43,7 @@ flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps one dispatch run
                      "the engine's, 4 on CPU and 1 elsewhere); tokens then stream in runs of this many.")
 F = flags.FLAGS
 
-# The flags that pass through unchanged to scripts/serve.py when a benchmark launches it.
+# The flags that pass through unchanged to ``jaxinfer serve`` when a benchmark launches it.
 NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "compilation_cache_dir", "max_num_seqs",
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
          "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
@@ -73,7 +74,7 @@ def engine_config():
 
 
 def command_line() -> list[str]:
-    """These flags as scripts/serve.py arguments (those left at None are left out)."""
+    """These flags as ``jaxinfer serve`` arguments (those left at None are left out)."""
     args = []
     for name in NAMES:
         value = F[name].value

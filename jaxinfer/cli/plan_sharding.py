@@ -2,7 +2,7 @@
 over ``--tensor_parallel`` devices from abstract shapes (``jax.ShapeDtypeStruct`` with shardings,
 nothing allocated), and report each device's bytes from the compiled executable's memory analysis.
 
-    python scripts/plan_sharding.py --model llama3-70b --tensor_parallel 8 --out $OUT/plan_70b.json
+    jaxinfer plan-sharding --model llama3-70b --tensor_parallel 8 --out $OUT/plan_70b.json
 
 With ``--host_devices`` (the default) it plans on ``--tensor_parallel`` forced CPU host devices,
 so llama3-70b on 8 devices is planned on any machine; ``--nohost_devices`` uses the real devices.
@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
 flags.DEFINE_string("model", "llama3-70b", "Preset name, local Hugging Face directory or .gguf file (its config).")
 flags.DEFINE_integer("tensor_parallel", 8, "Devices the model is split over.")
@@ -36,6 +36,18 @@ def main(argv):
     if F.host_devices:  # before JAX starts (nothing above imports it)
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={F.tensor_parallel}"
         os.environ["JAX_PLATFORMS"] = "cpu"
+    report = plan(F.model, F.tensor_parallel, F.dtype, F.num_pages, F.page_size, F.tokens, F.seqs, F.pages_per_seq)
+    print_report(report)
+    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
+    with open(F.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {F.out}")
+
+
+def plan(model: str, tensor_parallel: int, dtype_name: str, num_pages: int, page_size: int, tokens: int, seqs: int,
+         pages_per_seq: int) -> dict:
+    """Compile one step of ``tokens`` x ``seqs`` x ``pages_per_seq`` over ``tensor_parallel`` devices from
+    abstract shapes; the report of its bytes per device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -49,20 +61,19 @@ def main(argv):
     from jaxinfer.models.weights import load_config, resolve_model
     from jaxinfer.paged.kv_cache import KVCache
 
-    config = load_config(resolve_model(F.model)).replace(layer_loop="scan")
-    dtype = jnp.dtype(F.dtype)
-    mesh = sharding.replica_mesh(config, F.tensor_parallel, jax.device_count() // F.tensor_parallel)
+    config = load_config(resolve_model(model)).replace(layer_loop="scan")
+    dtype = jnp.dtype(dtype_name)
+    mesh = sharding.replica_mesh(config, tensor_parallel, jax.device_count() // tensor_parallel)
     weights = sharding.abstract_sharded_weights(config, mesh, dtype)
-    kv_shape = (config.num_layers, F.num_pages, F.page_size, sharding.kv_heads(config, F.tensor_parallel),
-                config.head_dim)
+    kv_shape = (config.num_layers, num_pages, page_size, sharding.kv_heads(config, tensor_parallel), config.head_dim)
     kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=sharding.cache_sharding(mesh).k)
     cache = KVCache(kv, kv)
-    t, s, p = F.tokens, F.seqs, F.pages_per_seq
+    t, s, p = tokens, seqs, pages_per_seq
     resolved = resolve(EngineConfig(
-        tensor_parallel=F.tensor_parallel, data_parallel=jax.device_count() // F.tensor_parallel, dtype=F.dtype,
-        num_pages=F.num_pages, page_size=F.page_size, max_num_seqs=s, max_num_batched_tokens=t,
-        max_model_len=p * F.page_size, token_buckets=(t,), seq_buckets=(s,), page_buckets=(p,), layer_loop="scan",
-        num_scheduler_steps=1, compilation_cache_dir=""), ModelFacts(F.model, config, "preset"),
+        tensor_parallel=tensor_parallel, data_parallel=jax.device_count() // tensor_parallel, dtype=dtype_name,
+        num_pages=num_pages, page_size=page_size, max_num_seqs=s, max_num_batched_tokens=t,
+        max_model_len=p * page_size, token_buckets=(t,), seq_buckets=(s,), page_buckets=(p,), layer_loop="scan",
+        num_scheduler_steps=1, compilation_cache_dir=""), ModelFacts(model, config, "preset"),
         DeviceFacts(jax.default_backend()))
     ops = sharding.sharded_ops(resolved.backend.ops(resolved.attention_backend, config.head_dim, False), config, mesh)
     runner = ModelRunner(resolved, config, weights, cache, ops, mesh=mesh)
@@ -78,30 +89,27 @@ def main(argv):
     def per_device(tree):  # the bytes of one device's shard of each leaf
         return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
-    weight_bytes, kv_bytes = per_device(weights), per_device(cache)
     report = dict(
-        model=F.model, tensor_parallel=F.tensor_parallel, dtype=F.dtype, backend=jax.default_backend(),
+        model=model, tensor_parallel=tensor_parallel, dtype=dtype_name, backend=jax.default_backend(),
         num_params=num_params(config), weight_bytes_total=num_params(config) * dtype.itemsize,
-        weight_bytes_per_device=weight_bytes, kv_bytes_per_device=kv_bytes,
-        kv_tokens=F.num_pages * F.page_size, step=dict(tokens=t, seqs=s, pages_per_seq=p),
+        weight_bytes_per_device=per_device(weights), kv_bytes_per_device=per_device(cache),
+        kv_tokens=num_pages * page_size, step=dict(tokens=t, seqs=s, pages_per_seq=p),
         compile_seconds=round(seconds, 1),
         memory_analysis=dict(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
                              alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
                              generated_code_bytes=mem.generated_code_size_in_bytes))
     report["per_device_peak_bytes_estimate"] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
                                                 - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-    print(f"{F.model} over {F.tensor_parallel} {jax.default_backend()} devices ({F.dtype}), compiled in {seconds:.0f}s")
+    return report
+
+
+def print_report(report: dict) -> None:
+    mem, tp = report["memory_analysis"], report["tensor_parallel"]
+    print(f"{report['model']} over {tp} {report['backend']} devices ({report['dtype']}), compiled in "
+          f"{report['compile_seconds']:.0f}s")
     print(f"{'':24}{'GiB per device':>16}")
-    for name, b in (("weights", weight_bytes), ("KV cache", kv_bytes), ("arguments (analysis)", mem.argument_size_in_bytes),
-                    ("temporaries (analysis)", mem.temp_size_in_bytes),
+    for name, b in (("weights", report["weight_bytes_per_device"]), ("KV cache", report["kv_bytes_per_device"]),
+                    ("arguments (analysis)", mem["argument_bytes"]), ("temporaries (analysis)", mem["temp_bytes"]),
                     ("peak estimate", report["per_device_peak_bytes_estimate"])):
         print(f"{name:24}{b / GIB:16.2f}")
-    print(f"{'whole model / devices':24}{report['weight_bytes_total'] / F.tensor_parallel / GIB:16.2f}")
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
-    with open(F.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {F.out}")
-
-
-if __name__ == "__main__":
-    app.run(main)
+    print(f"{'whole model / devices':24}{report['weight_bytes_total'] / tp / GIB:16.2f}")

@@ -1,8 +1,8 @@
 """Generate text from the command line, streamed as it is produced.
 
-    python scripts/generate.py --prompt "The capital of France is" --max_tokens 32 --temperature 0
-    python scripts/generate.py --chat "Write a haiku about the sea."
-    XLA_FLAGS=--xla_force_host_platform_device_count=3 python scripts/generate.py --tensor_parallel 3 --prompt "Hi"
+    jaxinfer generate --prompt "The capital of France is" --max_tokens 32 --temperature 0
+    jaxinfer generate --chat "Write a haiku about the sea."
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 jaxinfer generate --tensor_parallel 3 --prompt "Hi"
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import logging
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.tokenizer import apply_chat_template
-import model_flags  # scripts/ is on sys.path when run as a script
+from jaxinfer.cli import model_flags
 
 flags.adopt_module_key_flags(model_flags)
 flags.DEFINE_string("prompt", None, "Raw text prompt (completion).")
@@ -37,6 +35,9 @@ def main(argv):
         sys.exit("pass exactly one of --prompt or --chat")
     logging.basicConfig(level=logging.WARNING)
     absl_logging.set_verbosity(absl_logging.WARNING)  # keep compile logs out of the streamed text
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.tokenizer import apply_chat_template
+
     options = dict(max_model_len=F.max_model_len, max_num_seqs=1, max_num_batched_tokens=256,
                    **model_flags.load_options(), **model_flags.parallel_options())
     if model_flags.init_distributed():  # not process 0: run the steps it sends
@@ -64,7 +65,3 @@ def main(argv):
             n = len(out.token_ids)
     dt = time.perf_counter() - t0
     print(f"\n[{n} tokens in {dt:.1f}s, {n / dt:.1f} tok/s including compilation]", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    app.run(main)

@@ -5,22 +5,17 @@ Q/K/V fusion and, with ``--quantization``, quantization itself (int4's grid sear
 billion parameters on a CPU): the engine then runs the weights as saved (its ``quantization="auto"``).
 The tokenizer is saved alongside so the directory is self-contained.
 
-  python scripts/convert_checkpoint.py --model smollm2-135m --output /tmp/smollm2 --dtype bfloat16
-  python scripts/convert_checkpoint.py --model /path/to/hf-llama --output /tmp/llama-int4 --quantization int4-g64
-  python scripts/convert_checkpoint.py --model smollm2-135m --output /tmp/smollm2-q4 --quantization gguf
+  jaxinfer convert --model smollm2-135m --output /tmp/smollm2 --dtype bfloat16
+  jaxinfer convert --model /path/to/hf-llama --output /tmp/llama-int4 --quantization int4-g64
+  jaxinfer convert --model smollm2-135m --output /tmp/smollm2-q4 --quantization gguf
 """
 
 import os
 import time
 
-import jax
-from absl import app, flags
+from absl import flags
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from jaxinfer.models.spec import num_params  # noqa: E402
-from jaxinfer.models.weights import QUANTIZATIONS, load_model, resolve_model, save_converted  # noqa: E402
-from jaxinfer.tokenizer import CONVERTED_TOKENIZER_DIR, load_tokenizer  # noqa: E402
+from jaxinfer.formats import QUANTIZATIONS
 
 MODEL = flags.DEFINE_string("model", None, "preset name, .gguf file or Hugging Face directory", required=True)
 OUTPUT = flags.DEFINE_string("output", None, "directory to write the orbax checkpoint to", required=True)
@@ -32,6 +27,13 @@ QUANTIZATION = flags.DEFINE_enum("quantization", "none", QUANTIZATIONS,
 
 def main(argv):
     del argv
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
+    import jax
+
+    from jaxinfer.models.spec import num_params
+    from jaxinfer.models.weights import load_model, resolve_model, save_converted
+    from jaxinfer.tokenizer import CONVERTED_TOKENIZER_DIR, load_tokenizer
+
     source = resolve_model(MODEL.value)
     t0 = time.perf_counter()
     # Saved stacked ("scan"), the layout a restore can fill without a second copy.
@@ -45,6 +47,3 @@ def main(argv):
     print(f"wrote {OUTPUT.value} ({num_params(config) / 1e6:.1f}M params, {DTYPE.value}, "
           f"quantization {QUANTIZATION.value}, {nbytes / 1e6:.1f} MB of weights)")
 
-
-if __name__ == "__main__":
-    app.run(main)
