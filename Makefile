@@ -28,7 +28,7 @@ serve: $(STAMP)
 	$(PY) -m jaxinfer serve
 
 bench: $(STAMP)
-	$(PY) scripts/benchmark.py
+	$(PY) benchmarks/benchmark.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,6 +1,10 @@
-"""Oracles shared by the tests (importable: pytest puts this folder on sys.path)."""
+"""Oracles shared by the tests, and the one way a test imports a benchmark (importable: pytest puts this
+folder on sys.path)."""
 
 import functools
+import importlib
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,16 @@ from jaxinfer.models.decoder import forward
 from jaxinfer.paged.kv_cache import BatchMetadata, KVCache
 
 PAGE_SIZE = 16
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py``, imported as module ``name`` the way it runs: benchmarks are scripts that
+    import each other by plain name (``from ceilings import timeit``), which works because a script's own
+    folder is on sys.path, so ``benchmarks/`` is put there (here only)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    return importlib.import_module(name)
 
 
 @functools.partial(jax.jit, static_argnames="config")

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py --compare: each format runs in its own process with the flags it names, and
+"""benchmarks/benchmark.py --compare: each format runs in its own process with the flags it names, and
 the ratios printed are of those runs' own figures."""
 
 import json
@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+from helpers import benchmark_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench(*args, timeout=300):
-    return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "benchmarks/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -42,11 +44,10 @@ def test_compare_rejects_bad_formats_and_workloads_before_running():
     assert proc.returncode != 0 and "not prefix" in proc.stderr
 
 
-def test_host_share_is_the_hosts_time_over_the_wall(monkeypatch):
+def test_host_share_is_the_hosts_time_over_the_wall():
     """The compare table's host share, from a run's own figures: 0.75 of the wall for a run whose host
     set the pace, 0.27 for one whose host did not; blank where a workload has no host time."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
-    import benchmark
+    benchmark = benchmark_module("benchmark")
 
     slow = dict(host_ms_per_step=17.86, steps=1093, wall_s=25.93)
     fast = dict(host_ms_per_step=4.741, steps=1093, wall_s=19.31)

@@ -1,13 +1,12 @@
-"""``scripts/kernel_sass.py`` without a GPU or the ``triton`` package: the Pallas calls it takes from
+"""``benchmarks/kernel_sass.py`` without a GPU or the ``triton`` package: the Pallas calls it takes from
 lowering a kernel for CUDA, and what it reads from SASS. (Compiling to SASS needs ``triton``, which
 the tests do not install.)"""
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import kernel_sass  # noqa: E402
+from helpers import benchmark_module
+
+kernel_sass = benchmark_module("kernel_sass")
 
 
 def test_takes_each_pallas_call_as_lowered_for_cuda():

@@ -137,7 +137,7 @@ def test_batched_preempted_and_prefix_cached_runs_match_alone(kv_cache_dtype, pa
 
 def test_embedded_model_quality_with_quantized_kv(smollm2_tokenizer):
     """The embedded SmolLM2 on the first 192 tokens of the held text, float32 weights, KV cache
-    float32 / int8 / fp8 (``scripts/perplexity.py`` scores the whole text):
+    float32 / int8 / fp8 (``benchmarks/perplexity.py`` scores the whole text):
     perplexity within 1% (int8) and 3% (fp8), greedy next tokens agreeing at >= 95% / 90%."""
     from jaxinfer.models.perplexity import score
     from jaxinfer.models.weights import load_model

@@ -621,7 +621,7 @@ def test_int4_loader_follows_the_first_token_in_layer_order():
 
 
 def test_embedded_model_quality_and_memory_per_scheme(smollm2_tokenizer):
-    """Perplexity on the first 512 tokens of the held text (``scripts/perplexity.py`` scores the whole
+    """Perplexity on the first 512 tokens of the held text (``benchmarks/perplexity.py`` scores the whole
     text): int8 within 1% of float32, int4-g32, int4-g64 and the GGUF blocks run
     natively within 10%; native GGUF resident bytes about the file's size, not 4x it."""
     import os

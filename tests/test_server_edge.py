@@ -2,7 +2,7 @@
 requests, wrong hosts and media types, half-sent requests, timeouts, a shutdown that cuts streams
 short, and an engine core that dies.
 
-A tiny random model with SmolLM2's tokenizer (scripts/make_dummy_model.py) serves; with its 49,152-token
+A tiny random model with SmolLM2's tokenizer (benchmarks/make_dummy_model.py) serves; with its 49,152-token
 vocabulary a sampled step takes ~25 ms on a 2-core CPU, so a sampled request of 1,000 tokens runs for
 tens of seconds, far past every timeout here, while a greedy one of a few tokens answers at once.
 """
@@ -38,7 +38,7 @@ SHORT = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "scripts/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
+    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
                     "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={path}"],
                    cwd=ROOT, check=True, capture_output=True)
     return str(path)

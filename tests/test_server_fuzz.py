@@ -2,7 +2,7 @@
 ones and (for bodies) invalid ones, each response checked against it: no 5xx, only documented
 statuses, content types, headers and bodies, and every invalid request refused.
 
-A tiny random model with SmolLM2's tokenizer and chat template serves (scripts/make_dummy_model.py), so
+A tiny random model with SmolLM2's tokenizer and chat template serves (benchmarks/make_dummy_model.py), so
 chat, constraints and text prompts all run, and a step costs milliseconds. What the description
 cannot say (a prompt plus max_tokens over the context, prompts x n over the server's room, a regex
 that does not compile) is still refused with a 400, so "valid requests are accepted" is not checked;
@@ -35,7 +35,7 @@ PENALTIES = ("presence_penalty", "frequency_penalty")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "scripts/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
+    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
                     "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={model}"],
                    cwd=ROOT, check=True, capture_output=True)
     srv = Server([f"--model={model}", "--load_format=dummy", "--max_num_seqs=16", "--max_num_batched_tokens=64",

@@ -1,6 +1,6 @@
 """The server under load: hundreds of concurrent streams, a client that stops reading, clients that hang
 up mid-stream, and a kept-alive connection that idles. A tiny random model with SmolLM2's tokenizer
-(scripts/make_dummy_model.py) makes steps cheap, so the HTTP side is what is exercised.
+(benchmarks/make_dummy_model.py) makes steps cheap, so the HTTP side is what is exercised.
 """
 
 import asyncio
@@ -23,7 +23,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "scripts/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
+    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
                     "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={model}"],
                    cwd=ROOT, check=True, capture_output=True)
     srv = Server([f"--model={model}", "--load_format=dummy", "--max_num_seqs=64", "--max_num_batched_tokens=64",

@@ -57,7 +57,7 @@ Design, and why:
 Padding tokens (past ``query_start[S]``) produce zeros, like the reference. Page sizes must be
 powers of two (Triton block shapes).
 
-Where it stands (H200, jax 0.11.2, ``scripts/bench_kernels.py``): decoding 64 sequences x 4,096 tokens
+Where it stands (H200, jax 0.11.2, ``benchmarks/bench_kernels.py``): decoding 64 sequences x 4,096 tokens
 at page_size 64, the whole call streams K/V at 3.86 TB/s, 87% of the read bandwidth measured in the
 same run, where the deprecated Pallas paged_attention op reaches 1.88 TB/s.
 """
@@ -569,7 +569,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     ``sliding_window``: None, an int or a traced int32 scalar. ``k_scale``/``v_scale``: a quantized
     cache's scales (``[layers, pages, page_size, kv_heads]``).
 
-    Tuning knobs (defaults from scripts/bench_kernels.py on an H200): ``num_splits`` (KV splits per
+    Tuning knobs (defaults from benchmarks/bench_kernels.py on an H200): ``num_splits`` (KV splits per
     decode sequence; default: enough programs to fill the GPU), ``*_block_k`` (key positions per
     loop step, a multiple of the page size or the page size itself), warps and pipeline stages (both
     reduced by ``_fit`` where shared memory runs out). ``prefill_rows`` defaults to

@@ -29,7 +29,7 @@ from jaxinfer.quant.schemes import FP8_MAX
 # Most tokens (rows of x) a step's quantized linear sends through the matvec kernel on a GPU. The
 # kernel takes any number, but each token adds a multiply-add per weight to a kernel already bound by
 # instructions per weight (int4's ``w_gate_up``: 3.03 SASS instructions a weight on sm_90), so more
-# than one waits for a measurement against XLA's dot (``scripts/bench_qmatvec.py --tokens 8``).
+# than one waits for a measurement against XLA's dot (``benchmarks/bench_qmatvec.py --tokens 8``).
 KERNEL_MAX_TOKENS = 1
 KERNEL_SCHEMES = ("int8", "int4", "q4_0", "q4_1")  # Q8_0 (8-bit, a scale per 32) waits for its own timing
 

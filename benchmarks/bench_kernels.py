@@ -19,10 +19,10 @@ the reference attention reading the same codes; the deprecated op, which reads n
 Timing: warm-up, then ``--reps`` repetitions of ``--inner`` back-to-back calls ending in
 block_until_ready; the median per call is reported. Prints a table, writes JSON to ``--out``.
 
-    PYTHONPATH=. python3 scripts/bench_kernels.py --out /tmp/kernels.json
-    PYTHONPATH=. python3 scripts/bench_kernels.py --kv-cache-dtype fp8 --page-size 16 --seqs 256 --ctx 640 \
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py --out /tmp/kernels.json
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py --kv-cache-dtype fp8 --page-size 16 --seqs 256 --ctx 640 \
         --sweep --out /tmp/kernels_fp8.json   # the throughput run's decode steps, over an fp8 cache
-    PYTHONPATH=. python3 scripts/bench_kernels.py --heads 16 --kv-heads 8 --head-dim 256 --soft-cap 50 \
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py --heads 16 --kv-heads 8 --head-dim 256 --soft-cap 50 \
         --window 4096 --ctx 8192 --out /tmp/kernels_gemma2.json
 """
 
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ceilings import matmul_rate, read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
+from ceilings import matmul_rate, read_bandwidth, timeit  # benchmarks/ is on sys.path when run as a script
 from device_profile import kernel_times
 from jaxinfer.paged.attention import ragged_paged_attention as reference
 from jaxinfer.paged.kv_cache import BatchMetadata, kv_storage_dtype, pack_codes, quantize
@@ -198,7 +198,7 @@ def main():
     run("decode_ours_page16", res, lambda: ours(page16()))
     if args.sweep:
         # warps and key blocks at page 16 (an 8-bit cache's loop is twice bf16's instructions a warp:
-        # scripts/kernel_sass.py)
+        # benchmarks/kernel_sass.py)
         for bk, warps in ((64, 8), (128, 4), (128, 8)):
             run(f"decode_ours_page16_bk{bk}_w{warps}", res,
                 lambda bk=bk, warps=warps: ours(page16(), decode_block_k=bk, decode_warps=warps))

@@ -2,9 +2,9 @@
 optionally the offline engine on the same requests in the same run, so the server-to-engine ratio is one command.
 
     jaxinfer serve &                                           # then, once /health answers 200:
-    python scripts/bench_serving.py --num_prompts 64 --request_rate 4 --out bench.json
+    python benchmarks/bench_serving.py --num_prompts 64 --request_rate 4 --out bench.json
     # Everything in one run: start the server, load it, stop it, run the same requests offline.
-    python scripts/bench_serving.py --launch --offline --model smollm2-135m --num_prompts 64 \\
+    python benchmarks/bench_serving.py --launch --offline --model smollm2-135m --num_prompts 64 \\
         --max_concurrency 16 --max_num_seqs 16 --input_len 32 --output_len 32 --out bench.json
 
 Reports throughput, TTFT, TPOT (per request: (latency - TTFT) / (tokens - 1)), inter-token latency

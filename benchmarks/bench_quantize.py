@@ -6,7 +6,7 @@ model's load-time cost (lm_head aside). int4 loads also run the first token thro
 (``decoder.first_token_layer``, for the matrices' importance): timed once, as ``first_token``; their
 matrices are quantized with an importance (the weighted search), as the loaders do.
 
-    python scripts/bench_quantize.py --model llama3-8b --schemes int8,int4-g64,int4-g128,fp8
+    python benchmarks/bench_quantize.py --model llama3-8b --schemes int8,int4-g64,int4-g128,fp8
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """One layer's routed experts at batch 1 (Mixtral-8x7B shapes, bf16): the ways to apply k of E
 experts to one token, timed against each other; the useful bytes are the k experts' weights.
 
-    python scripts/bench_moe.py            # writes $OUT/moe_bench.json (or /tmp/moe_bench.json)
-    python scripts/bench_moe.py --many     # many rows (prefill, large batches): $OUT/moe_many.json
+    python benchmarks/bench_moe.py            # writes $OUT/moe_bench.json (or /tmp/moe_bench.json)
+    python benchmarks/bench_moe.py --many     # many rows (prefill, large batches): $OUT/moe_many.json
 
 What it settled (H200): float32 row reductions over the gathered experts, which XLA fuses, stream the
 chosen experts at the read bandwidth (166 us, 4.24 TB/s, for one layer's two, against 612 us for a

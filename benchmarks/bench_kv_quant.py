@@ -1,5 +1,5 @@
 """The quantized KV cache on one GPU: each ``kv_cache_dtype`` (auto = bf16, int8, fp8) in its own
-``scripts/benchmark.py`` process (same flags otherwise, so the rows differ only in the cache), then one
+``benchmarks/benchmark.py`` process (same flags otherwise, so the rows differ only in the cache), then one
 table and one JSON of all the runs found in ``--out_dir``:
 
 - batch-1 decode at a long context (``--latency_prompt_len``, default 4096, then 256 new tokens):
@@ -12,7 +12,7 @@ table and one JSON of all the runs found in ``--out_dir``:
 One dtype per call keeps each under 10 minutes on an H200 (llama3-8b, dummy weights); runs already in
 ``--out_dir`` are kept, so the summary grows call by call:
 
-    for kv in auto int8 fp8; do python scripts/bench_kv_quant.py --kv_cache_dtypes $kv --out_dir $OUT; done
+    for kv in auto int8 fp8; do python benchmarks/bench_kv_quant.py --kv_cache_dtypes $kv --out_dir $OUT; done
 """
 
 from __future__ import annotations

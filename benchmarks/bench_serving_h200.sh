@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The three serving workloads on one GPU: each launches the server, loads it, stops it, and runs
 # the same requests offline with the same engine options, adding a run to $OUT/serving-h200.json.
-#   bash scripts/bench_serving_h200.sh short      # ~10-token prompts x 256 tokens, 1000 requests, concurrency 256
-#   bash scripts/bench_serving_h200.sh long       # 512-token prompts x 256 tokens, 1000 requests, concurrency 256
-#   bash scripts/bench_serving_h200.sh batch1     # 16 sequential requests x 256 tokens, latency buckets
+#   bash benchmarks/bench_serving_h200.sh short      # ~10-token prompts x 256 tokens, 1000 requests, concurrency 256
+#   bash benchmarks/bench_serving_h200.sh long       # 512-token prompts x 256 tokens, 1000 requests, concurrency 256
+#   bash benchmarks/bench_serving_h200.sh batch1     # 16 sequential requests x 256 tokens, latency buckets
 # Each prints the server's and the offline engine's start-up (load + compile) and records them in the JSON.
 # short and long share every compiled shape: run long after short on the same machine (same
 # /tmp/xla-cache) and both of its engines read their executables from the cache.
@@ -14,15 +14,15 @@ OUT=${OUT:-/tmp/out}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama3-8b-smollm2tok}
 PY=${PY:-python}
 mkdir -p "$OUT"
-[ -f "$MODEL_DIR/config.json" ] || $PY scripts/make_dummy_model.py --shapes llama3-8b --out "$MODEL_DIR"
+[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_dummy_model.py --shapes llama3-8b --out "$MODEL_DIR"
 COMMON=(--launch --offline --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 --output_len 256
         --compilation_cache_dir /tmp/xla-cache --out "$OUT/serving-h200.json")
 THROUGHPUT=(--max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256
             --page_buckets 64 --num_prompts 1000 --max_concurrency 256 --client_processes 8)
 case "${1:?short, long or batch1}" in
-  short)  $PY scripts/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --name short-x256 ;;
-  long)   $PY scripts/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --input_len 512 --name in512-x256 ;;
-  batch1) $PY scripts/bench_serving.py "${COMMON[@]}" --max_num_seqs 1 --max_num_batched_tokens 128 \
+  short)  $PY benchmarks/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --name short-x256 ;;
+  long)   $PY benchmarks/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --input_len 512 --name in512-x256 ;;
+  batch1) $PY benchmarks/bench_serving.py "${COMMON[@]}" --max_num_seqs 1 --max_num_batched_tokens 128 \
             --token_buckets 1,128 --seq_buckets 1 --page_buckets 64 --num_prompts 16 --max_concurrency 1 --name batch1 ;;
   *) echo "unknown workload $1" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """The CPU peers of ``benchmark.py --workload cpu``, one per process: llama.cpp and transformers.
 
-    python scripts/cpu_peers.py llama_cpp GGUF PROMPTS.json THREADS NEW         # a session: commands on stdin
-    python scripts/cpu_peers.py transformers GGUF PROMPTS.json THREADS NEW RUNS  # prints one JSON line
+    python benchmarks/cpu_peers.py llama_cpp GGUF PROMPTS.json THREADS NEW         # a session: commands on stdin
+    python benchmarks/cpu_peers.py transformers GGUF PROMPTS.json THREADS NEW RUNS  # prints one JSON line
 
 ``PROMPTS.json`` holds token-id lists; the first is the batch-1 prompt (transformers decodes it RUNS
 times, the median reported), all of them the 8-request batch. llama.cpp runs under its own

@@ -8,7 +8,7 @@ numpy's sum on one thread and on two (a half each), numpy's BLAS GEMV, XLA's sum
 torch's sum; then what XLA's matmuls reach on the model's own shapes: the 30-layer chain of
 ``[1, in] x [in, out]`` dots plus the lm_head (the matmuls of a batch-1 step, nothing else).
 
-    python scripts/cpu_bandwidth.py --out docs/results/cpu-bandwidth.json
+    python benchmarks/cpu_bandwidth.py --out docs/results/cpu-bandwidth.json
 """
 
 from __future__ import annotations

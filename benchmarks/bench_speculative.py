@@ -15,10 +15,10 @@ Workloads (``--workload``):
           proposing per proposed token against the target's step time (random weights make its
           acceptance meaningless; the cost is what this measures).
 
-    python scripts/bench_speculative.py --workload cpu --out docs/results/cpu-speculative.json
-    python scripts/bench_speculative.py --model llama3-8b --load_format dummy --workload verify,replay \\
+    python benchmarks/bench_speculative.py --workload cpu --out docs/results/cpu-speculative.json
+    python benchmarks/bench_speculative.py --model llama3-8b --load_format dummy --workload verify,replay \\
         --batch_sizes 1,64,256 --out $OUT/spec-llama3-8b.json
-    python scripts/bench_speculative.py --model llama3-8b --load_format dummy --workload draft \\
+    python benchmarks/bench_speculative.py --model llama3-8b --load_format dummy --workload draft \\
         --draft_model llama3.2-1b --batch_sizes 1 --out $OUT/spec-draft.json
 """
 

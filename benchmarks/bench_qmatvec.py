@@ -22,7 +22,7 @@ timed: the first run of this script, with one jit call per timing, added ~5-10 u
 and timed ``--reps`` times; the median per call is reported in microseconds, with GB/s achieved and
 the ratio to bf16's time. Prints a table, writes JSON to ``--out``.
 
-    PYTHONPATH=$PWD python3 scripts/bench_qmatvec.py --out $OUT/qmatvec-h200.json
+    PYTHONPATH=$PWD python3 benchmarks/bench_qmatvec.py --out $OUT/qmatvec-h200.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ceilings import read_bandwidth, timeit  # scripts/ is on sys.path when run as a script
+from ceilings import read_bandwidth, timeit  # benchmarks/ is on sys.path when run as a script
 from device_profile import kernel_times
 from jaxinfer.models import layers
 from jaxinfer.pallas_kernels.qmatvec import default_blocks

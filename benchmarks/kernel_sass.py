@@ -14,8 +14,8 @@ target), and the loop's commonest opcodes. Presets:
 - ``qmatvec``: the quantized matvec on one llama3-8b weight (``--shape``) in ``--scheme``.
 
     pip install triton   # the compiler only; not a dependency of jaxinfer
-    PYTHONPATH=. python scripts/kernel_sass.py decode-attention --kv fp8 --warps 8
-    PYTHONPATH=. python scripts/kernel_sass.py qmatvec --scheme int4-g128 --shape w_gate_up --out /tmp/q.json
+    PYTHONPATH=. python benchmarks/kernel_sass.py decode-attention --kv fp8 --warps 8
+    PYTHONPATH=. python benchmarks/kernel_sass.py qmatvec --scheme int4-g128 --shape w_gate_up --out /tmp/q.json
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def loop_stats(text: str) -> dict:
 
 
 def decode_attention(args):
-    from bench_kernels import make_case, quantized  # scripts/ is on sys.path when run as a script
+    from bench_kernels import make_case, quantized  # benchmarks/ is on sys.path when run as a script
     from jaxinfer.pallas_kernels import gpu
     q, k, v, md = make_case(np.random.default_rng(0), args.seqs, args.ctx, 1, heads=32, kv_heads=8, head_dim=128,
                             page_size=16, dtype=jnp.bfloat16)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Structured outputs' H200 overhead figures: 256 concurrent sequences, every one constrained, against the same
-# requests unconstrained generating the same tokens (scripts/bench_structured.py), each adding $OUT/structured-h200-*.json.
-#   bash scripts/bench_structured_h200.sh json_object   # the headline case: {"type": "json_object"} on every request
-#   bash scripts/bench_structured_h200.sh schema        # a JSON schema that keeps every request going for 256 tokens
+# requests unconstrained generating the same tokens (benchmarks/bench_structured.py), each adding $OUT/structured-h200-*.json.
+#   bash benchmarks/bench_structured_h200.sh json_object   # the headline case: {"type": "json_object"} on every request
+#   bash benchmarks/bench_structured_h200.sh schema        # a JSON schema that keeps every request going for 256 tokens
 # Needs llguidance (no dependencies; cp39-abi3 manylinux_2_31 wheel, so any Python >= 3.9 on glibc >= 2.31).
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.
 # REPEATS (default 3): counted runs of each kind, medians reported; PROFILE=1 adds the host profile of each kind;
@@ -13,12 +13,12 @@ OUT=${OUT:-/tmp/out}
 MODEL_DIR=${MODEL_DIR:-/tmp/llama3-8b-smollm2tok}
 PY=${PY:-python}
 mkdir -p "$OUT"
-[ -f "$MODEL_DIR/config.json" ] || $PY scripts/make_dummy_model.py --shapes llama3-8b --out "$MODEL_DIR"
+[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_dummy_model.py --shapes llama3-8b --out "$MODEL_DIR"
 case "${1:?json_object or schema}" in
   json_object|schema) ;;
   *) echo "unknown workload $1" >&2; exit 2 ;;
 esac
-$PY scripts/bench_structured.py --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 \
+$PY benchmarks/bench_structured.py --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 \
   --max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256 --page_buckets 64 \
   --num_prompts "${NUM_PROMPTS:-1024}" --output_len 256 --constraint "$1" --compilation_cache_dir /tmp/xla-cache \
   --repeats "${REPEATS:-3}" ${PROFILE:+--profile} \

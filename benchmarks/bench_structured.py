@@ -14,9 +14,9 @@
 2. Constraint compile time over the schemas shipped in tests/data/json_schemas.json (p50/p99, each
    compiled cold in a fresh compiler), and the cache: compiling them all again must hit every time.
 
-    python scripts/bench_structured.py                                   # CPU, embedded SmolLM2
-    python scripts/bench_structured.py --model DIR --load_format dummy ... --repeats 5 --profile  # host overhead
-    bash scripts/bench_structured_h200.sh json_object                    # H200: llama3-8b dummy, 256 sequences
+    python benchmarks/bench_structured.py                                   # CPU, embedded SmolLM2
+    python benchmarks/bench_structured.py --model DIR --load_format dummy ... --repeats 5 --profile  # host overhead
+    bash benchmarks/bench_structured_h200.sh json_object                    # H200: llama3-8b dummy, 256 sequences
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main(argv):
     if F.profile:
         results["profile"] = {"constrained": profile(llm, prompts, constrained), "free": profile(llm, prompts, free)}
     results["compile"] = compile_times(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
-    results["command"] = "python scripts/bench_structured.py " + " ".join(argv[1:])
+    results["command"] = "python benchmarks/bench_structured.py " + " ".join(argv[1:])
     os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
     with open(F.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -1,6 +1,6 @@
 """Write a Hugging Face directory with a preset's shapes and SmolLM2's tokenizer, for --load_format dummy.
 
-    python scripts/make_dummy_model.py --shapes llama3-8b --out /tmp/llama3-8b-smollm2tok
+    python benchmarks/make_dummy_model.py --shapes llama3-8b --out /tmp/llama3-8b-smollm2tok
     jaxinfer serve --model /tmp/llama3-8b-smollm2tok --load_format dummy ...
 
 A serving benchmark needs real text in and out (tokenize, detokenize, stop strings) but no real
