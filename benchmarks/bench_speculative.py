@@ -10,7 +10,8 @@ Workloads (``--workload``):
           by a replay proposer that proposes what the plain run produced (acceptance ~1, proposing free):
           the machinery's ceiling, and where speculation stops paying as the batch grows.
           ``--overlap on,off`` times the speculative run with verifying steps kept in flight and
-          synchronous, side by side against the same plain run (``cpu`` takes it too).
+          synchronous, one engine built per mode (``speculative_overlap``), each against its own
+          plain run (``cpu`` takes it too).
   draft   the ``draft`` proposer (``--draft_model``) end to end at each ``--batch_sizes``: time spent
           proposing per proposed token against the target's step time (random weights make its
           acceptance meaningless; the cost is what this measures).
@@ -24,6 +25,7 @@ Workloads (``--workload``):
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from engine_probes import host_time, probe_step  # a benchmark's folder is on sys.path when it runs
 from jaxinfer.cli import model_flags
 
 flags.adopt_module_key_flags(model_flags)
@@ -40,8 +43,8 @@ flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.
 flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
 flags.DEFINE_integer("ngram_min", None, "cpu: the engine's ngram_min (default: the engine's, 2 on CPU).")
 flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
-flags.DEFINE_list("overlap", ["auto"], "cpu/replay: the speculative runs' speculative_overlap, side by side: auto "
-                  "(the engine's default: on except on CPU), on, off.")
+flags.DEFINE_list("overlap", ["auto"], "cpu/replay: the speculative runs' speculative_overlap, side by side (an "
+                  "engine each): auto (the engine's default: on except on CPU), on, off.")
 flags.DEFINE_integer("replay_passes", 16, "replay: most passes to reach the fixpoint (see replay()).")
 flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
 flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
@@ -68,6 +71,10 @@ class ReplayProposer:
         return out
 
 
+# --overlap's modes as the engine's speculative_overlap option (None: the engine's default for the backend).
+OVERLAP = {"auto": None, "on": True, "off": False}
+
+
 def make_llm(max_num_seqs: int, method: str = "ngram", **options):
     from jaxinfer import LLM
     budget = max(512, max_num_seqs * (F.k + 1))
@@ -77,20 +84,17 @@ def make_llm(max_num_seqs: int, method: str = "ngram", **options):
                enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
 
 
-def set_overlap(llm, mode: str) -> None:
-    """``--overlap``'s ``mode`` on the engine, between runs (``auto``: the engine's default)."""
-    import jax
-    from jaxinfer.batching.speculative import default_overlap
-    auto = default_overlap(jax.default_backend(), llm.engine.config.speculative_method)
-    llm.engine.speculative_overlap = {"auto": auto, "on": True, "off": False}[mode]
+def verified_count(engine) -> int:
+    """Verifications of proposals so far (each request's each verifying step): the scheduler's counter."""
+    return engine.scheduler.counters["spec_verified"]
 
 
 def timed_run(llm, prompts, proposer) -> dict:
     """All prompts at once, greedy; wall time, decode tok/s (after each request's first token) and tokens."""
     from jaxinfer import SamplingParams
     eng = llm.engine
-    eng.proposer = proposer
-    before, verified0, host0 = dict(eng.stats()), eng.counters["spec_verified"], eng.counters["host_time"]
+    eng.proposer = proposer  # None: plain steps (the engine speculates only with a proposer)
+    before, verified0 = eng.stats(), verified_count(eng)
     params = SamplingParams(max_tokens=F.max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -109,11 +113,11 @@ def timed_run(llm, prompts, proposer) -> dict:
     decode_s = max(last.values()) - min(first.values())
     proposed = s["spec_proposed_tokens"] - before["spec_proposed_tokens"]
     accepted = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    verified = eng.counters["spec_verified"] - verified0
+    verified = verified_count(eng) - verified0
     steps = s["steps"] - before["steps"]
     return dict(wall_s=wall, tok_s=sum(map(len, tokens)) / wall, decode_s=decode_s,
-                # the engine's own host work per step (not waiting for the device; engine.stats()'s host_time)
-                host_ms_per_step=(eng.counters["host_time"] - host0) / max(1, steps) * 1e3,
+                # the engine's own host work per step (not waiting for the device; engine.stats()'s host time)
+                host_ms_per_step=(host_time(s) - host_time(before)) / max(1, steps) * 1e3,
                 decode_tok_s=sum(len(t) - 1 for t in tokens) / max(decode_s, 1e-9),
                 steps=steps, spec_steps=s["spec_steps"] - before["spec_steps"],
                 discarded=s["spec_discarded"] - before["spec_discarded"],
@@ -123,14 +127,15 @@ def timed_run(llm, prompts, proposer) -> dict:
 
 def cpu(results):
     data = json.load(open(F.prompts))
-    llm = make_llm(1)
-    prompts = [llm.engine.encode(p["prompt"]) for p in data["prompts"]]
-    ngram = llm.engine.proposer  # the engine's, with its n-gram window sizes
-    timed_run(llm, prompts[:1], None)  # compile both paths
-    timed_run(llm, prompts[:1], ngram)
-    for mode in F.overlap:
-        set_overlap(llm, mode)
+    for mode in F.overlap:  # an engine per mode: speculative_overlap is fixed when the engine is built
+        llm = make_llm(1, speculative_overlap=OVERLAP[mode])
+        prompts = [llm.engine.encode(p["prompt"]) for p in data["prompts"]]
+        ngram = llm.engine.proposer  # the engine's, with its n-gram window sizes
+        timed_run(llm, prompts[:1], None)  # compile both paths
+        timed_run(llm, prompts[:1], ngram)
         results["cpu" if mode == F.overlap[0] else f"cpu-overlap-{mode}"] = cpu_rows(llm, prompts, data, ngram, mode)
+        del llm  # before the next mode's engine claims the device's memory
+        gc.collect()
 
 
 def cpu_rows(llm, prompts, data, ngram, mode) -> dict:
@@ -156,12 +161,11 @@ def cpu_rows(llm, prompts, data, ngram, mode) -> dict:
                 speedup=plain_s / spec_s, all_identical=all(r["identical"] for r in rows),
                 acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])), k=F.k,
                 ngram_min=ngram.ngram_min, ngram_max=ngram.ngram_max, overlap=mode,
-                speculative_overlap=llm.engine.speculative_overlap)
+                speculative_overlap=llm.engine.resolved.speculative.overlap)
 
 
 def verify_cost(results):
     """A plain decode step and a verify step of k proposals per sequence, each alone on device."""
-    from benchmark import probe_step
     from ceilings import timeit
     sizes = [int(b) for b in F.batch_sizes]
     llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
@@ -195,16 +199,16 @@ def replay(results):
     passes acceptance is 1 and the timed run is the real machinery at its ceiling; its output then
     differs from the plain run's by those bf16 flips (``identical_to_plain``)."""
     sizes = [int(b) for b in F.batch_sizes]
-    llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8)
-    vocab = llm.engine.model_config.vocab_size
-    rng = np.random.default_rng(1)
     out = {}
-    for b in sizes:
-        prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
-        timed_run(llm, prompts, None)  # compile the plain shapes
-        plain = timed_run(llm, prompts, None)
-        for mode in F.overlap:
-            set_overlap(llm, mode)
+    for mode in F.overlap:  # an engine per mode: speculative_overlap is fixed when the engine is built
+        llm = make_llm(max(sizes), max_model_len=F.prompt_len + F.max_tokens + F.k + 8,
+                       speculative_overlap=OVERLAP[mode])
+        vocab = llm.engine.model_config.vocab_size
+        rng = np.random.default_rng(1)  # the same prompts for every mode
+        for b in sizes:
+            prompts = [rng.integers(10, vocab - 10, F.prompt_len).tolist() for _ in range(b)]
+            timed_run(llm, prompts, None)  # compile the plain shapes
+            plain = timed_run(llm, prompts, None)
             answers, passes = plain["tokens"], 0
             while True:  # replay until the speculative run reproduces what it replays (see replay's docstring)
                 spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
@@ -215,7 +219,7 @@ def replay(results):
             spec = timed_run(llm, prompts, ReplayProposer({tuple(p): t for p, t in zip(prompts, answers)}))
             same = sum(a == c for a, c in zip(plain["tokens"], spec["tokens"]))
             out[f"{b}/{mode}"] = dict(
-                batch=b, overlap=mode, speculative_overlap=llm.engine.speculative_overlap,
+                batch=b, overlap=mode, speculative_overlap=llm.engine.resolved.speculative.overlap,
                 plain_tok_s=plain["tok_s"], spec_tok_s=spec["tok_s"], speedup=spec["tok_s"] / plain["tok_s"],
                 plain_decode_tok_s=plain["decode_tok_s"], spec_decode_tok_s=spec["decode_tok_s"],
                 decode_speedup=spec["decode_tok_s"] / plain["decode_tok_s"],
@@ -224,6 +228,8 @@ def replay(results):
                 plain_host_ms_per_step=plain["host_ms_per_step"], spec_host_ms_per_step=spec["host_ms_per_step"],
                 spec_steps=spec["steps"], discarded=spec["discarded"],
                 acceptance_rate=spec["acceptance_rate"], replay_passes=passes, identical_to_plain=f"{same}/{b}")
+        del llm  # before the next mode's engine claims the device's memory
+        gc.collect()
     results["replay"] = dict(k=F.k, by_batch=out)
 
 

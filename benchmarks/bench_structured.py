@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from engine_probes import host_time, steps_done  # a benchmark's folder is on sys.path when it runs
 from jaxinfer.cli import engine_flags, model_flags
 
 flags.adopt_module_key_flags(engine_flags)
@@ -60,14 +61,15 @@ TOPICS = ["customers", "cities", "products", "books", "sensors", "games", "recip
 def run(llm, prompts, params) -> tuple[dict, list]:
     """One counted generation (compiled before: see ``main``)."""
     eng = llm.engine
-    c0, compilations = dict(eng.counters), eng.num_compilations
+    s0, compilations = eng.stats(), eng.num_compilations
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    steps = eng.counters["steps"] - c0["steps"]
+    s1 = eng.stats()
+    steps = s1["steps"] - s0["steps"]
     return dict(wall_s=wall, output_tokens=tokens, output_tok_s=tokens / wall, steps=steps,
-                host_ms_per_step=1e3 * (eng.counters["host_time"] - c0["host_time"]) / max(1, steps),
+                host_ms_per_step=1e3 * (host_time(s1) - host_time(s0)) / max(1, steps),
                 wall_ms_per_step=1e3 * wall / max(1, steps), compilations=eng.num_compilations - compilations,
                 finish_reasons={r: sum(o.finish_reason == r for o in outs) for r in {o.finish_reason for o in outs}}
                 ), outs
@@ -88,10 +90,10 @@ def profile(llm, prompts, params, top: int = 15) -> list[dict]:
     import cProfile
     import pstats
 
-    steps0 = llm.engine.counters["steps"]
+    steps0 = steps_done(llm.engine)
     prof = cProfile.Profile()
     prof.runcall(llm.generate, prompts, params)
-    steps = max(1, llm.engine.counters["steps"] - steps0)
+    steps = max(1, steps_done(llm.engine) - steps0)
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [dict(function=f"{os.path.basename(f)}:{line}({name})" if line else name, calls_per_step=v[0] / steps,

@@ -47,6 +47,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from engine_probes import probe_step, steps_done  # a benchmark's folder is on sys.path when it runs
 from jaxinfer.cli import model_flags
 
 flags.adopt_module_key_flags(model_flags)
@@ -220,28 +221,6 @@ def latency(results, bw):
     gc.collect()
 
 
-def probe_step(llm, prompts, proposals=None):
-    """The scheduler's output for one step of ``prompts`` alone on an idle engine: each prompt's context
-    already in the cache (in pages of its own), its last token fed, then its ``proposals`` (a verifying
-    step) if given. The engine serves nothing meanwhile, so the pages it names hold whatever they hold."""
-    from jaxinfer import SamplingParams
-    from jaxinfer.batching.step_io import SchedulerOutput
-
-    ps, first, tables = llm.engine.resolved.page_size, 0, []
-    for p in prompts:
-        n = -(-(len(p) + len(proposals[0] if proposals else ())) // ps)
-        tables.append(list(range(first, first + n)))
-        first += n
-    assert first <= llm.engine.resolved.num_pages, "the probe's contexts do not fit the KV pool"
-    props = proposals or [[] for _ in prompts]
-    return SchedulerOutput(
-        request_ids=[f"probe{i}" for i in range(len(prompts))], num_tokens=[1 + len(q) for q in props],
-        starts=[len(p) - 1 for p in prompts], token_ids=[t for p, q in zip(prompts, props) for t in [p[-1], *q]],
-        page_tables=tables, params=[SamplingParams(max_tokens=1, temperature=0.0)] * len(prompts),
-        seeds=[0] * len(prompts), output_index=[0] * len(prompts), penalty_tokens={}, proposals=props,
-        num_speculative=len(props[0]))
-
-
 def decode_step(llm, prompts):
     """A callable running one decode step for ``prompts`` (one sequence each, context already in the
     cache) on device alone (``probe_step``), and one to call afterwards (nothing to free)."""
@@ -267,13 +246,13 @@ def profile_engine(llm, prompt, new_tokens: int) -> dict:
     eng.add_request("profile", list(prompt), SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     for _ in range(2):  # the prefill step and the first decode step stay out of the trace
         eng.step()
-    steps = eng.counters["steps"]
+    steps = steps_done(eng)
 
     def rest():
         while eng.has_unfinished():
             eng.step()
     events = device_events(rest)
-    steps = max(1, eng.counters["steps"] - steps)
+    steps = max(1, steps_done(eng) - steps)
     busy, idle = busy_idle(events)
     greedy = jax.jit(lambda logits, sb: sample(logits, sb, greedy_only=True).tokens)
     logits = jnp.zeros((1, eng.model_config.vocab_size), jnp.float32)
