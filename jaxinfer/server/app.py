@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.metrics import CONTENT_TYPE
 from jaxinfer.server.protocol import (MAX_TOKEN_ID, APIError, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, ErrorResponse, HealthResponse, ModelList,
-                                      parse)
+                                      VersionResponse, parse)
 from jaxinfer.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         if engine.max_model_len is not None:
             card["max_model_len"] = engine.max_model_len
         return {"object": "list", "data": [card]}
+
+    @app.get("/version", responses={200: {"model": VersionResponse}, **_errors(*_METERED_ERRORS, 401)})
+    async def version(request: Request):
+        authorize(request)
+        return {"version": importlib.metadata.version("jaxinfer"), "config": engine.resolved_config}
 
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse},
                                    **_errors(*_ANY_ERRORS)})

@@ -127,6 +127,7 @@ class AsyncEngine:
         self.capacity = self.max_running + max_waiting  # sub-requests admitted at once
         self.metrics = Metrics(lambda: self._stats)
         self.ready = threading.Event()
+        self.resolved_config: dict | None = None  # what the engine runs with (``ResolvedConfig.summary``)
         self.warmup_seconds: float | None = None
         self.draining = False
         self.failed = False  # the engine core could not start or exited while serving
@@ -332,6 +333,7 @@ class AsyncEngine:
                     info = msg[1]
                     self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
                     self.warmup_seconds, self._stats = info["warmup_seconds"], info["stats"]
+                    self.resolved_config = info["config"]
                     self.ready.set()
                 elif kind == "stopped":
                     self._stats = msg[1]

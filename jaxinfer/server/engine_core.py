@@ -98,6 +98,7 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
     log.info("ready in %.1fs: model loaded, %d step shapes compiled in %.1fs", time.monotonic() - t0,
              engine.num_compilations, warmup)
     outputs.send(("ready", dict(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+                                config=engine.resolved.summary(),
                                 warmup_seconds=warmup, num_compilations=engine.num_compilations,
                                 stats=engine.stats())))
     outbox = _Outbox(outputs)

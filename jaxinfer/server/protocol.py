@@ -360,5 +360,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class VersionResponse(BaseModel):
+    """The server's version and, once the engine is ready, every value it resolved and runs with."""
+
+    version: str
+    config: dict | None = None
+
+
 class HealthResponse(BaseModel):
     status: str
