@@ -184,7 +184,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     def openapi() -> dict:
         """FastAPI's description plus the request bodies, which the routes parse themselves, with the
         limits of the model served: ``model`` is its name (any other is a 404), token ids are below its
-        vocabulary size, and ``max_tokens`` leaves a prompt token in its context. Until the engine is
+        vocabulary size, ``max_tokens`` leaves a prompt token in its context, and ``priority`` is 0 unless
+        the server schedules by priority. Until the engine is
         ready (the model's numbers unknown) the description is built anew per request."""
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -195,6 +196,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             properties = defs["$defs"][model.__name__]["properties"]
             properties["model"] = {"anyOf": [{"enum": [served_model_name]}, {"type": "null"}], "default": None,
                                    "title": "Model"}
+            if engine.scheduling_policy != "priority":  # any other value is refused (check_supported)
+                properties["priority"] = {**properties["priority"], "minimum": 0, "maximum": 0}
             if engine.ready.is_set():
                 for name in ("max_tokens", "max_completion_tokens"):
                     if name in properties:
