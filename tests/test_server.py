@@ -128,6 +128,10 @@ def test_health_models_and_warmup(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     models = httpx.get(f"{server.url}/v1/models").json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 512
+    # what the engine resolved and runs with (its defaults for this CPU included)
+    config = httpx.get(f"{server.url}/version").json()["config"]
+    assert config["max_model_len"] == 512 and config["max_num_seqs"] == 8 and config["platform"] == "cpu"
+    assert config["dtype"] == "float32" and config["quantization"] == "gguf" and config["num_scheduler_steps"] == 4
     assert "ready in" in server.tail(100_000)
 
 

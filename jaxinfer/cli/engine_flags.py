@@ -21,6 +21,9 @@ flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.")
 flags.DEFINE_integer("num_pages", None, "KV pool size in pages (default: derived from memory).")
 flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache.")
 flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse KV pages of shared prompt prefixes.")
+flags.DEFINE_enum("scheduling_policy", "fcfs", ["fcfs", "priority"], "Order of admission: 'fcfs' first come first "
+                  "served; 'priority' by each request's priority (lower first, ties first come first served), "
+                  "preempting running requests of a later priority.")
 flags.DEFINE_list("token_buckets", None, "Padded token counts steps compile for (default: the engine's; on CPU "
                   "1, 8, 16, x4, ... up to --max_num_batched_tokens).")
 flags.DEFINE_list("seq_buckets", None, "Padded sequence counts (default: the engine's; on CPU 1, 4, 8, 16, x4, "
@@ -46,7 +49,7 @@ F = flags.FLAGS
 # The flags that pass through unchanged to ``jaxinfer serve`` when a benchmark launches it.
 NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "compilation_cache_dir", "max_num_seqs",
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
-         "enable_prefix_caching", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
+         "enable_prefix_caching", "scheduling_policy", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
          "speculative_method", "speculative_model", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs",
          "speculative_overlap", "num_scheduler_steps")
 
@@ -64,6 +67,7 @@ def engine_config():
         page_size=F.page_size, num_pages=F.num_pages, kv_cache_memory_fraction=F.kv_cache_memory_fraction,
         max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens,
         max_model_len=F.max_model_len, enable_prefix_caching=F.enable_prefix_caching,
+        scheduling_policy=F.scheduling_policy,
         token_buckets=buckets(F.token_buckets), seq_buckets=buckets(F.seq_buckets),
         page_buckets=buckets(F.page_buckets), speculative_method=F.speculative_method,
         speculative_model=F.speculative_model, num_speculative_tokens=F.num_speculative_tokens, ngram_min=F.ngram_min, ngram_max=F.ngram_max,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.metrics import CONTENT_TYPE
 from jaxinfer.server.protocol import (MAX_TOKEN_ID, APIError, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, ErrorResponse, HealthResponse, ModelList,
-                                      parse)
+                                      VersionResponse, parse)
 from jaxinfer.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             card["max_model_len"] = engine.max_model_len
         return {"object": "list", "data": [card]}
 
+    @app.get("/version", responses={200: {"model": VersionResponse}, **_errors(*_METERED_ERRORS, 401)})
+    async def version(request: Request):
+        authorize(request)
+        return {"version": importlib.metadata.version("jaxinfer"), "config": engine.resolved_config}
+
     @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse},
                                    **_errors(*_ANY_ERRORS)})
     async def health():
@@ -178,7 +184,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     def openapi() -> dict:
         """FastAPI's description plus the request bodies, which the routes parse themselves, with the
         limits of the model served: ``model`` is its name (any other is a 404), token ids are below its
-        vocabulary size, and ``max_tokens`` leaves a prompt token in its context. Until the engine is
+        vocabulary size, ``max_tokens`` leaves a prompt token in its context, and ``priority`` is 0 unless
+        the server schedules by priority. Until the engine is
         ready (the model's numbers unknown) the description is built anew per request."""
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -189,6 +196,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             properties = defs["$defs"][model.__name__]["properties"]
             properties["model"] = {"anyOf": [{"enum": [served_model_name]}, {"type": "null"}], "default": None,
                                    "title": "Model"}
+            if engine.scheduling_policy != "priority":  # any other value is refused (check_supported)
+                properties["priority"] = {**properties["priority"], "minimum": 0, "maximum": 0}
             if engine.ready.is_set():
                 for name in ("max_tokens", "max_completion_tokens"):
                     if name in properties:

@@ -123,10 +123,12 @@ class AsyncEngine:
         self._warmup_structured = warmup_structured  # also compile constrained steps before /health is 200
         self._on_fatal = on_fatal
         self.max_waiting = max_waiting
+        self.scheduling_policy = config.scheduling_policy
         self.max_running = config.max_num_seqs * config.data_parallel
         self.capacity = self.max_running + max_waiting  # sub-requests admitted at once
         self.metrics = Metrics(lambda: self._stats)
         self.ready = threading.Event()
+        self.resolved_config: dict | None = None  # what the engine runs with (``ResolvedConfig.summary``)
         self.warmup_seconds: float | None = None
         self.draining = False
         self.failed = False  # the engine core could not start or exited while serving
@@ -198,9 +200,9 @@ class AsyncEngine:
         self._inflight -= count
 
     def submit(self, request_id: str, prefix: str, prompts: list[list[int]], params: list[SamplingParams], *,
-               deadline: float | None = None, timeout_error: APIError | None = None) -> Submission:
-        """Queue one sub-request per (prompt, params) pair, on slots ``admit`` took. At ``deadline``
-        (``time.monotonic()``) a submission not yet released fails with ``timeout_error``."""
+               priority: int = 0, deadline: float | None = None, timeout_error: APIError | None = None) -> Submission:
+        """Queue one sub-request per (prompt, params) pair, each with ``priority``, on slots ``admit`` took.
+        At ``deadline`` (``time.monotonic()``) a submission not yet released fails with ``timeout_error``."""
         self._check_serving()  # shutdown may have begun while the request was prepared
         now = time.monotonic()
         choices = [_Choice(f"{prefix}-{next(self._ids)}", ids, now, p.logprobs is not None)
@@ -208,7 +210,7 @@ class AsyncEngine:
         sub = Submission(request_id, choices)
         for c, ids, p in zip(choices, prompts, params):
             self._live[c.request_id] = (c, sub)
-        self._outbox.put([("add", c.request_id, ids, p) for c, ids, p in zip(choices, prompts, params)])
+        self._outbox.put([("add", c.request_id, ids, p, priority) for c, ids, p in zip(choices, prompts, params)])
         if deadline is not None:
             sub._timer = self._loop.call_later(deadline - now, sub._fail, timeout_error)
         return sub
@@ -332,6 +334,7 @@ class AsyncEngine:
                     info = msg[1]
                     self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
                     self.warmup_seconds, self._stats = info["warmup_seconds"], info["stats"]
+                    self.resolved_config = info["config"]
                     self.ready.set()
                 elif kind == "stopped":
                     self._stats = msg[1]

@@ -9,7 +9,7 @@ text (as vLLM's EngineCore does). Detokenization and stop strings stay in the en
 offline path runs them too (overlapped with the device step), so streamed text equals ``LLM.generate``'s.
 
 Messages, front end -> core (each a list of commands, sent in batches):
-    ("add", request_id, prompt_ids, SamplingParams) | ("abort", request_id) | ("stop",)
+    ("add", request_id, prompt_ids, SamplingParams, priority) | ("abort", request_id) | ("stop",)
 core -> front end:
     ("ready", info) once, after warm-up; ("fatal", message) if the engine could not start;
     ("step", StepOutputs, stats) once per step that produced outputs or changed state;
@@ -98,6 +98,7 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
     log.info("ready in %.1fs: model loaded, %d step shapes compiled in %.1fs", time.monotonic() - t0,
              engine.num_compilations, warmup)
     outputs.send(("ready", dict(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+                                config=engine.resolved.summary(),
                                 warmup_seconds=warmup, num_compilations=engine.num_compilations,
                                 stats=engine.stats())))
     outbox = _Outbox(outputs)
@@ -147,35 +148,35 @@ class _Constraints:
     def __init__(self, engine):
         self._engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-compile")
-        self._pending: dict[str, tuple[concurrent.futures.Future, list[int], object]] = {}
+        self._pending: dict[str, tuple[concurrent.futures.Future, list[int], object, int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def add(self, rid: str, prompt: list[int], params) -> None:
+    def add(self, rid: str, prompt: list[int], params, priority: int) -> None:
         e = self._engine
         future = self._pool.submit(compile_constraint, e.tokenizer, params.structured, e.model_config.vocab_size,
                                    e.model_config.eos_token_ids)
-        self._pending[rid] = (future, prompt, params)
+        self._pending[rid] = (future, prompt, params, priority)
 
     def abort(self, rid: str) -> bool:
         return self._pending.pop(rid, None) is not None
 
     def ready(self):
-        """``(request id, prompt, params, error)`` of each request whose compilation has ended."""
-        for rid, (future, prompt, params) in list(self._pending.items()):
+        """``(request id, prompt, params, priority, error)`` of each request whose compilation has ended."""
+        for rid, (future, prompt, params, priority) in list(self._pending.items()):
             if future.done():
                 del self._pending[rid]
-                yield rid, prompt, params, future.exception()
+                yield rid, prompt, params, priority, future.exception()
 
 
 def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
     live: set[str] = set()
     compiling = _Constraints(engine)
 
-    def add(rid, prompt, params):
+    def add(rid, prompt, params, priority):
         try:
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, params, priority)
         except (ValueError, TypeError) as e:
             live.discard(rid)
             outputs.send(("error", rid, 400, str(e)))
@@ -207,16 +208,16 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
                         live.discard(cmd[1])
                         compiling.abort(cmd[1]) or engine.abort(cmd[1])
                     continue
-                _, rid, prompt, params = cmd
+                _, rid, prompt, params, priority = cmd
                 live.add(rid)
                 if params.structured is not None and engine.tokenizer is not None:
-                    compiling.add(rid, prompt, params)
+                    compiling.add(rid, prompt, params, priority)
                 else:
-                    add(rid, prompt, params)
-        for rid, prompt, params, error in compiling.ready():
+                    add(rid, prompt, params, priority)
+        for rid, prompt, params, priority, error in compiling.ready():
             changed = True
             if error is None:
-                add(rid, prompt, params)
+                add(rid, prompt, params, priority)
             else:
                 live.discard(rid)
                 outputs.send(("error", rid, 400, str(error)))

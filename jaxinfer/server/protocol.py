@@ -20,6 +20,9 @@ from jaxinfer.sampling_params import (MAX_CHOICES, MAX_LOGPROBS, MAX_N, MAX_PENA
 MIN_TOP_K = -1  # SamplingParams: top_k >= -1 (-1 and 0 turn it off)
 MAX_TOKEN_ID = MAX_TOP_K  # ids travel to the device as int32
 MAX_SHOWN = 100  # characters of a client's value that an error message repeats
+# The scheduler only compares priorities, so any integer would do; int32's range is what a client of
+# another server can send, and keeps the schema's range finite.
+MAX_PRIORITY = 2**31 - 1
 
 
 
@@ -155,6 +158,9 @@ class _Sampling(_Strict):
     guided_choice: Choices | None = None
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsParam | None = None
+    # vLLM's field: under --scheduling_policy=priority a lower value runs first (and may preempt a
+    # running request of a higher value); ties are first come first served.
+    priority: _int(-MAX_PRIORITY, MAX_PRIORITY) = 0
 
 
 class CompletionRequest(_Sampling):
@@ -248,13 +254,18 @@ _BOUNDS = {"greater_than_equal": ">= {ge}", "less_than_equal": "<= {le}", "great
            "less_than": "< {lt}", "too_short": "non-empty", "string_too_short": "non-empty"}
 
 
-def check_supported(req: _Sampling) -> None:
-    """Reject what the types let through but this server would silently ignore: ``echo`` and a
-    ``best_of`` other than ``n``."""
+def check_supported(req: _Sampling, scheduling_policy: str = "fcfs") -> None:
+    """Reject what the types let through but this server would silently ignore: ``echo``, a
+    ``best_of`` other than ``n``, and a ``priority`` other than 0 where the server does not schedule
+    by priority (as vLLM refuses it)."""
     if getattr(req, "echo", False):
         raise APIError(400, "'echo' is not supported by this server", param="echo", code="unsupported")
     if getattr(req, "best_of", None) not in (None, req.n):
         raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of",
+                       code="unsupported")
+    if req.priority != 0 and scheduling_policy != "priority":
+        raise APIError(400, f"'priority' is {req.priority}, but this server schedules {scheduling_policy}, not by "
+                            "priority (serve with --scheduling_policy=priority)", param="priority",
                        code="unsupported")
 
 
@@ -358,6 +369,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    """The server's version and, once the engine is ready, every value it resolved and runs with."""
+
+    version: str
+    config: dict | None = None
 
 
 class HealthResponse(BaseModel):

@@ -121,7 +121,7 @@ class OpenAIServing:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model {shown(req.model)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-        check_supported(req)
+        check_supported(req, self.engine.scheduling_policy if req.priority else "fcfs")
 
     def _encode(self, prompt, param: str) -> list[int]:
         try:
@@ -171,7 +171,7 @@ class OpenAIServing:
                 raise timeout from None
             request_id = request.state.request_id
             sub = self.engine.submit(request_id, f"{kind}-{uuid.uuid4().hex[:16]}", job.choice_prompts, job.params,
-                                     deadline=deadline, timeout_error=timeout)
+                                     priority=req.priority, deadline=deadline, timeout_error=timeout)
         except BaseException:
             self.engine.cancel(count)
             raise
