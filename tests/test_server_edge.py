@@ -14,7 +14,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import types
@@ -36,12 +35,8 @@ SHORT = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
-                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={path}"],
-                   cwd=ROOT, check=True, capture_output=True)
-    return str(path)
+def model(tiny_chat_model):
+    return tiny_chat_model
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,11 @@ that does not compile) is still refused with a 400, so "valid requests are accep
 the full default-budget run is ``schemathesis run URL/openapi.json``.
 """
 
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from test_server import ROOT, Server, wait_until_idle
+from test_server import Server, wait_until_idle
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
@@ -33,12 +31,8 @@ PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
-                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={model}"],
-                   cwd=ROOT, check=True, capture_output=True)
-    srv = Server([f"--model={model}", "--load_format=dummy", "--max_num_seqs=16", "--max_num_batched_tokens=64",
+def server(tiny_chat_model):
+    srv = Server([f"--model={tiny_chat_model}", "--load_format=dummy", "--max_num_seqs=16", "--max_num_batched_tokens=64",
                   "--max_model_len=256", "--token_buckets=16,64", "--seq_buckets=16", "--page_buckets=16",
                   "--max_waiting=64"])
     yield srv

@@ -6,14 +6,12 @@ up mid-stream, and a kept-alive connection that idles. A tiny random model with 
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from test_server import ROOT, Server, wait_until_idle
+from test_server import Server, wait_until_idle
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "My favourite food is", "In 1492,", "Water boils at", "The quick brown fox"]
@@ -21,12 +19,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
-                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={model}"],
-                   cwd=ROOT, check=True, capture_output=True)
-    srv = Server([f"--model={model}", "--load_format=dummy", "--max_num_seqs=64", "--max_num_batched_tokens=64",
+def server(tiny_chat_model):
+    srv = Server([f"--model={tiny_chat_model}", "--load_format=dummy", "--max_num_seqs=64", "--max_num_batched_tokens=64",
                   "--max_model_len=128", "--token_buckets=64", "--seq_buckets=64", "--page_buckets=8",
                   "--max_waiting=1024"])
     yield srv

@@ -6,18 +6,15 @@ of 1,000 tokens holds the one slot far longer than the others take to queue behi
 """
 
 import asyncio
-import subprocess
-import sys
-import time
-
 import re
+import time
 
 import httpx
 import pytest
 
 from jaxinfer.server.protocol import MAX_PRIORITY, APIError, CompletionRequest, parse
 from jaxinfer.server.serving import OpenAIServing
-from test_server import ROOT, Server
+from test_server import Server
 
 ARGS = ["--load_format=dummy", "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=1024",
         "--token_buckets=16", "--seq_buckets=1", "--page_buckets=64", "--max_waiting=8",
@@ -27,12 +24,8 @@ LONG = 1000  # tokens of the request that holds the one slot until its client ha
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = tmp_path_factory.mktemp("model")
-    subprocess.run([sys.executable, "scripts/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
-                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={model}"],
-                   cwd=ROOT, check=True, capture_output=True)
-    srv = Server([f"--model={model}", *ARGS], startup_timeout=120)
+def server(tiny_chat_model):
+    srv = Server([f"--model={tiny_chat_model}", *ARGS], startup_timeout=120)
     yield srv
     srv.stop()
 
