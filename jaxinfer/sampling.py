@@ -100,17 +100,38 @@ def _row_keys(b: SamplingBatch):
     return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(b.seed, b.step)
 
 
+def _gumbel(shape, b: SamplingBatch) -> jax.Array:
+    """Gumbel noise ``[S, V]``, keyed per row by ``_row_keys``."""
+    return jax.vmap(lambda key: jax.random.gumbel(key, shape[-1:], jnp.float32))(_row_keys(b))
+
+
 def _gumbel_argmax(masked: jax.Array, b: SamplingBatch) -> jax.Array:
     """A sample from ``softmax(masked)`` per row (Gumbel-max), keyed per row by ``_row_keys``."""
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, masked.shape[-1:], jnp.float32))(_row_keys(b))
-    return argmax(masked + noise)
+    return argmax(masked + _gumbel(masked.shape, b))
 
 
 def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution, then Gumbel-max."""
-    order, masked = _filtered(logits, b)
-    choice = _gumbel_argmax(masked, b)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution, then Gumbel-max.
+
+    A row that filters nothing (no top-k below the vocabulary, top-p 1, min-p 0: the API's defaults)
+    samples from the scaled logits as they are, with no sort: XLA:CPU sorts 16 x 49,152 logits in
+    ~280 ms against ~7 ms for a SmolLM2 decode step. On CPU the sort runs only when some row filters
+    (a ``lax.cond``, evaluated in place there); elsewhere it always runs (a GPU sorts in microseconds,
+    and its ``cond`` would read the predicate on the host). Either way a row's token depends only on
+    its own parameters and key: the noise is indexed by token for rows that filter nothing and by
+    rank for those that do."""
+    vocab = logits.shape[-1]
+    temp = jnp.where(b.temperature > 0, b.temperature, 1.0)
+    noise = _gumbel(logits.shape, b)
+    plain = (((b.top_k <= 0) | (b.top_k >= vocab)) & (b.top_p >= 1.0) & (b.min_p <= 0.0))
+    unfiltered = argmax(logits / temp[:, None] + noise)
+
+    def filtered():
+        order, masked = _filtered(logits, b)
+        return jnp.take_along_axis(order, argmax(masked + noise)[:, None], axis=-1)[:, 0]
+
+    on_cpu = lambda: jax.lax.cond(jnp.all(plain), lambda: unfiltered, filtered)  # noqa: E731
+    return jnp.where(plain, unfiltered, jax.lax.platform_dependent(cpu=on_cpu, default=filtered))
 
 
 def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
