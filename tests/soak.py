@@ -86,8 +86,11 @@ PRIORITIES = (None, None, -1, 0, 1, 5, MAX_PRIORITY, -MAX_PRIORITY)  # None: the
 MAX_WAITING = 4096
 
 
-def server_args() -> list[str]:
-    return [*(a for a in SMOLLM2_ARGS if not a.startswith("--max_waiting=")), f"--max_waiting={MAX_WAITING}",
+def server_args(model: str | None = None) -> list[str]:
+    """The server's flags: the embedded SmolLM2, or ``model`` (a directory with SmolLM2's tokenizer and
+    chat template, such as ``benchmarks/make_dummy_model.py`` writes) with random weights."""
+    chosen = [] if model is None else [f"--model={model}", "--load_format=dummy"]
+    return [*chosen, *(a for a in SMOLLM2_ARGS if not a.startswith("--max_waiting=")), f"--max_waiting={MAX_WAITING}",
             "--scheduling_policy=priority"]
 
 
@@ -264,6 +267,7 @@ def cases() -> list[Case]:
         bad("empty-messages", {"messages": []}, path=CH, param="messages"),
         bad("unsupported-logit-bias", {**hi, "logit_bias": {"1": 5}}, param="logit_bias"),
         bad("unsupported-echo", {**hi, "echo": True}, param="echo"),
+        bad("unsupported-best-of", {**hi, "n": 2, "best_of": 2}, param="best_of"),
         bad("content-type-text", None, status=415, raw=json.dumps(hi).encode(), headers={"Content-Type": "text/plain"}),
         bad("content-type-form", None, status=415, raw=b"prompt=hi",
             headers={"Content-Type": "application/x-www-form-urlencoded"}),
@@ -711,17 +715,18 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run(minutes: float, clients: int, out: str | None = None, seed: int = 0, url: str | None = None,
-        break_oracle: str | None = None, log=print) -> dict:
+        break_oracle: str | None = None, model: str | None = None, log=print) -> dict:
     """Start a server (unless ``url`` names a running one, whose engine core's memory is then not
     watched), compute the oracle, run ``clients`` clients for ``minutes``, and return the summary
     (also written to ``out``); its ``problems`` list is empty if every promise held.
-    ``break_oracle``: change that case's oracle text before the load (to see a changed output caught)."""
+    ``break_oracle``: change that case's oracle text before the load (to see a changed output caught);
+    ``model``: as ``server_args``."""
     all_cases = cases()
     started = time.monotonic()
     load_start = os.getloadavg()
     server = None
     if url is None:
-        server = Server(server_args())
+        server = Server(server_args(model))
         url = server.url
     try:
         log(f"server up at {url} in {time.monotonic() - started:.0f}s; computing the oracle")
@@ -764,7 +769,8 @@ def run(minutes: float, clients: int, out: str | None = None, seed: int = 0, url
     summary = summarize(soak, minutes=minutes, clients=clients, seed=seed, load_seconds=load_seconds,
                         oracle_seconds=oracle_seconds, before=before, idle=idle, idle_seconds=idle_seconds,
                         health=health, rss=rss, alive=alive, log_text=log_text,
-                        loadavg=(load_start, os.getloadavg()), external=server is None, load_wall=load_wall)
+                        loadavg=(load_start, os.getloadavg()), external=server is None, load_wall=load_wall,
+                        flags=server_args(model))
     if out:
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
@@ -773,7 +779,7 @@ def run(minutes: float, clients: int, out: str | None = None, seed: int = 0, url
 
 
 def summarize(soak: Soak, *, minutes, clients, seed, load_seconds, oracle_seconds, before, idle, idle_seconds,
-              health, rss, alive, log_text, loadavg, external, load_wall) -> dict:
+              health, rss, alive, log_text, loadavg, external, load_wall, flags) -> dict:
     t = soak.tally
     problems = list(t.problems)
     by_case = {}
@@ -859,7 +865,7 @@ def summarize(soak: Soak, *, minutes, clients, seed, load_seconds, oracle_second
             compiles.append((round(at, 1), what))
     generated = idle["jaxinfer_generation_tokens_total"] - before["jaxinfer_generation_tokens_total"]
     return {
-        "config": {"minutes": minutes, "clients": clients, "seed": seed, "server_args": server_args(),
+        "config": {"minutes": minutes, "clients": clients, "seed": seed, "server_args": flags,
                    "deck": DECK, "cases": len(soak.cases)},
         "seconds": {"oracle": round(oracle_seconds, 1), "load": round(load_seconds, 1),
                     "oracle_by_case": soak.oracle_seconds},
@@ -923,8 +929,10 @@ def main(argv=None) -> int:
                         "instead of starting one; its memory is not watched")
     parser.add_argument("--break_oracle", default=None, help="a valid case whose oracle text is changed, to "
                         "see the check catch it")
+    parser.add_argument("--model", default=None, help="a model directory with SmolLM2's tokenizer, served with "
+                        "random weights (default: the embedded SmolLM2)")
     args = parser.parse_args(argv)
-    summary = run(args.minutes, args.clients, args.out, args.seed, args.url, args.break_oracle)
+    summary = run(args.minutes, args.clients, args.out, args.seed, args.url, args.break_oracle, args.model)
     return 1 if summary["problems"] else 0
 
 

@@ -270,6 +270,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi " * 600}, 400, "prompt", "512"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", "600"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 2}, 400, "best_of", "<= 1"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k", "top_k"),

@@ -169,7 +169,7 @@ class CompletionRequest(_Sampling):
     logprobs: Logprobs | None = None
     echo: bool = Field(False, json_schema_extra={"const": False})  # unsupported
     suffix: None = None  # unsupported
-    best_of: _int(1, MAX_N) | None = Field(None, description="must equal n: only n choices are generated")
+    best_of: _int(1, 1) | None = Field(None, description="only 1: each choice is generated once, none discarded")
 
 
 class TextPart(_Strict):
@@ -255,14 +255,10 @@ _BOUNDS = {"greater_than_equal": ">= {ge}", "less_than_equal": "<= {le}", "great
 
 
 def check_supported(req: _Sampling, scheduling_policy: str = "fcfs") -> None:
-    """Reject what the types let through but this server would silently ignore: ``echo``, a
-    ``best_of`` other than ``n``, and a ``priority`` other than 0 where the server does not schedule
-    by priority (as vLLM refuses it)."""
+    """Reject what the types let through but this server would silently ignore: ``echo``, and a
+    ``priority`` other than 0 where the server does not schedule by priority (as vLLM refuses it)."""
     if getattr(req, "echo", False):
         raise APIError(400, "'echo' is not supported by this server", param="echo", code="unsupported")
-    if getattr(req, "best_of", None) not in (None, req.n):
-        raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of",
-                       code="unsupported")
     if req.priority != 0 and scheduling_policy != "priority":
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules {scheduling_policy}, not by "
                             "priority (serve with --scheduling_policy=priority)", param="priority",
