@@ -19,7 +19,7 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 demo: $(STAMP)
 	$(PY) -m jaxinfer generate --chat "Write a haiku about the sea." --max_tokens 64

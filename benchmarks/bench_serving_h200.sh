@@ -8,13 +8,7 @@
 # short and long share every compiled shape: run long after short on the same machine (same
 # /tmp/xla-cache) and both of its engines read their executables from the cache.
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-MODEL_DIR=${MODEL_DIR:-/tmp/llama3-8b-smollm2tok}
-PY=${PY:-python}
-mkdir -p "$OUT"
-[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_dummy_model.py --shapes llama3-8b --out "$MODEL_DIR"
+source "$(dirname "$0")/gpu_model_dir.sh"
 COMMON=(--launch --offline --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 --output_len 256
         --compilation_cache_dir /tmp/xla-cache --out "$OUT/serving-h200.json")
 THROUGHPUT=(--max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256

@@ -7,13 +7,7 @@
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.
 # REPEATS (default 3): counted runs of each kind, medians reported; PROFILE=1 adds the host profile of each kind;
 # NUM_PROMPTS (default 1024) requests per run.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-MODEL_DIR=${MODEL_DIR:-/tmp/llama3-8b-smollm2tok}
-PY=${PY:-python}
-mkdir -p "$OUT"
-[ -f "$MODEL_DIR/config.json" ] || $PY benchmarks/make_dummy_model.py --shapes llama3-8b --out "$MODEL_DIR"
+source "$(dirname "$0")/gpu_model_dir.sh"
 case "${1:?json_object or schema}" in
   json_object|schema) ;;
   *) echo "unknown workload $1" >&2; exit 2 ;;

@@ -9,8 +9,10 @@ from helpers import all_position_logits
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig
 
-OPTS = dict(load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256,
-            seq_buckets=(1, 2, 4, 8), page_buckets=(4, 16))
+# float32 on every backend (bfloat16 is the accelerators' default): the exactness asserted below (1e-4 on
+# logprobs, batched == alone token for token) is float32's.
+OPTS = dict(load_format="dummy", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=96,
+            max_model_len=256, seq_buckets=(1, 2, 4, 8), page_buckets=(4, 16))
 
 
 @pytest.fixture(scope="module")

@@ -48,13 +48,6 @@ def test_greedy_64_tokens_match_transformers_batched(llm, smollm2_hf):
         assert out.text == llm.tokenizer.decode(ref, skip_special_tokens=True)
 
 
-def test_seeded_sampling_alone_equals_batched(llm):
-    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=42)
-    batched = llm.generate(PROMPTS[:4], params)
-    for prompt, b in zip(PROMPTS[:4], batched):
-        assert llm.generate(prompt, params)[0].text == b.text
-
-
 def test_streamed_deltas_concatenate_to_the_text(llm):
     eng = llm.engine
     eng.add_request("s", "Write the word café and a smiley emoji: ", SamplingParams(max_tokens=40, temperature=0.0))

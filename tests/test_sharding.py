@@ -26,7 +26,7 @@ RUNS = {
         "tiny-gqa8:1:1:int4-g32", "tiny-gqa8:2:1:int4-g32", "tiny-qwen2:1:1:fp8", "tiny-qwen2:2:1:fp8",
         "tiny-qwen2-moe:1:1:int8", "tiny-qwen2-moe:2:1:int8", "tiny-gqa8:1:1:int4-g32:int8", "tiny-gqa8:2:1:int4-g32:int8",
         "collectives:tiny-gqa8:2:reference:int4-g32:int8", "collectives:tiny-gqa8:2:reference:int8:fp8"],
-    3: ["smollm2-135m:1:1", "smollm2-135m:3:1", "load:smollm2-135m:3", "smollm2-135m:1:1:gguf",
+    3: ["smollm2-135m:1:1", "load:smollm2-135m:3", "smollm2-135m:1:1:gguf",
         "smollm2-135m:3:1:gguf", "load:smollm2-135m:3:gguf", "load:smollm2-135m:3:int8"],
     4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4", "collectives:tiny-gqa8:4:interpret"],
     8: ["tiny-gqa8:8:1", "tiny-gqa8:4:2", "tiny-qwen2-moe:8:1", "collectives:tiny-qwen2-moe:8"],
@@ -67,7 +67,7 @@ def results() -> dict:
         return {k: v for part in parts for k, v in part.result().items()}
 
 
-@pytest.mark.parametrize("run", ["smollm2-135m:3:1", "tiny-gqa8:2:1", "tiny-gqa8:4:1", "tiny-gqa8:8:1",
+@pytest.mark.parametrize("run", ["tiny-gqa8:2:1", "tiny-gqa8:4:1", "tiny-gqa8:8:1",
                                  "tiny-gqa8:4:2", "tiny-qwen2:4:1", "tiny-qwen2-moe:8:1"])
 def test_sharded_greedy_matches_one_device(results, run):
     model = run.split(":")[0]
@@ -80,7 +80,7 @@ def test_sharded_greedy_matches_one_device(results, run):
     assert all(n > 0 for n in got["generation_tokens_per_replica"])  # every replica served a request
 
 
-@pytest.mark.parametrize("run", ["smollm2-135m:3:1", "tiny-gqa8:2:1", "tiny-gqa8:4:1", "tiny-gqa8:8:1",
+@pytest.mark.parametrize("run", ["tiny-gqa8:2:1", "tiny-gqa8:4:1", "tiny-gqa8:8:1",
                                  "tiny-qwen2:4:1", "tiny-qwen2-moe:8:1"])
 def test_parameter_bytes_fall_with_tensor_parallel(results, run):
     """Measured from the arrays' shards: every device holds about 1/tp of the weights (plus the
@@ -116,7 +116,7 @@ def test_quantized_cache_split_with_its_scales(results):
     assert got["kv_heads_per_device"] == [1] and got["kv_scale_heads_per_device"] == [1]
 
 
-@pytest.mark.parametrize("run, kv_heads", [("smollm2-135m:3:1", 1), ("tiny-gqa8:2:1", 1), ("tiny-gqa8:8:1", 1)])
+@pytest.mark.parametrize("run, kv_heads", [("smollm2-135m:3:1:gguf", 1), ("tiny-gqa8:2:1", 1), ("tiny-gqa8:8:1", 1)])
 def test_kv_cache_split_by_kv_head(results, run, kv_heads):
     assert results[run]["kv_heads_per_device"] == [kv_heads]
 

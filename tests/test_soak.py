@@ -1,8 +1,9 @@
-"""The soak harness (``tests/soak.py``) for a minute at 12 clients: every valid response equal to the
+"""The soak harness (``tests/soak.py``) for half a minute at 12 clients, on a tiny random model with
+SmolLM2's tokenizer (steps of milliseconds, so many requests in little time): every valid response equal to the
 same request's answer alone, no 5xx, every invalid request its own 4xx in OpenAI's error shape,
 /health's p99 under 100 ms throughout, the server idle afterwards with no page held, and the engine
 core's memory flat over the second half. ``python tests/soak.py --minutes 10 --clients 32`` is the
-long run. The checker itself is tested first, on responses made up here."""
+long run, on the embedded model. The checker itself is tested first, on responses made up here."""
 
 import json
 
@@ -10,7 +11,7 @@ import pytest
 
 import soak
 
-MINUTES, CLIENTS = 1.0, 12
+MINUTES, CLIENTS = 0.5, 12
 
 
 def completion(text=" Paris is", finish="length", logprobs=True):
@@ -84,8 +85,8 @@ def test_a_stream_reassembles_to_the_response():
 
 
 @pytest.fixture(scope="module")
-def summary(tmp_path_factory):
-    return soak.run(MINUTES, CLIENTS, out=str(tmp_path_factory.mktemp("soak") / "soak.json"))
+def summary(tmp_path_factory, tiny_chat_model):
+    return soak.run(MINUTES, CLIENTS, out=str(tmp_path_factory.mktemp("soak") / "soak.json"), model=tiny_chat_model)
 
 
 def test_one_request_never_hurts_another_under_load(summary):

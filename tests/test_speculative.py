@@ -68,9 +68,11 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("k,path,proposer,overlap", [(3, p, "replay", False) for p in PATHS] + [
-    (5, "preempt-swap", "replay", False), (5, "staggered", "ngram", False), (1, "chunk1", "ngram", False)] + [
-    (3, p, "replay", True) for p in PATHS] + [(5, "staggered", "ngram", True), (1, "chunk1", "ngram", True)])
+# Every path with steps in flight (the harder case: discarded steps), and synchronous steps on a path of each
+# kind (arrivals, preemption by recompute and by swap, chunked prefill), with replayed and n-gram proposals.
+@pytest.mark.parametrize("k,path,proposer,overlap", [(3, p, "replay", True) for p in PATHS] + [
+    (3, "staggered", "replay", False), (3, "preempt-recompute", "replay", False), (5, "preempt-swap", "replay", False),
+    (5, "staggered", "ngram", True), (1, "chunk1", "ngram", False)])
 def test_greedy_identical_to_no_speculation(k, path, proposer, overlap, caplog):
     """``overlap``: verifying steps stay in flight (``speculative_overlap``), so a step after one that
     rejected a proposal is dispatched and then discarded, on every scheduling path."""
