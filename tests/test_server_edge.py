@@ -151,7 +151,10 @@ def test_huge_prompt_list_is_refused_before_it_is_tokenized(edge):
     err = error(r)
     assert r.status_code == 400 and err["code"] == "too_many_sequences" and err["param"] == "prompt", err
     assert "150000 sequences" in err["message"] and "holds 20" in err["message"], err
-    assert slowest < 1, slowest
+    # Parsing and validating the body stays on the event loop (0.14 s on an idle core; it holds the GIL,
+    # so a thread would not free the loop), 1.3 s while the suite's sharded runs load both cores;
+    # tokenizing the prompts first stalled /health for 13 s.
+    assert slowest < 3, slowest
 
 
 def test_slow_preparation_does_not_stall_the_event_loop(edge):
