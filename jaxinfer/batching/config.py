@@ -6,8 +6,8 @@ import dataclasses
 
 from jaxinfer.batching.backend import ATTENTION_BACKENDS
 from jaxinfer.batching.speculative import MAX_SPECULATIVE_TOKENS, METHODS
+from jaxinfer.formats import KV_CACHE_DTYPES
 from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
-from jaxinfer.paged.kv_cache import KV_CACHE_DTYPES
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.user_cache import user_cache_dir
 

@@ -41,8 +41,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.formats import KV_CACHE_DTYPES
-
 # Largest code magnitude of each quantized storage dtype (e4m3fn has no inf: values past 448 become NaN).
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 

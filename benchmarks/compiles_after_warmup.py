@@ -1,0 +1,94 @@
+"""What a varied workload compiles after ``LLM.warmup(structured=True)``, counted from JAX's own compile
+events: prompts of 1-300 tokens arriving between steps, greedy and seeded sampling, a stop token, a
+constrained (``choice``) request, an abort, and one step that fails as a whole (the KV pool deleted, as
+a device error would leave it) so that the recovery's steps are counted too. Prints and writes JSON;
+exits 1 if anything compiled. ``tests/test_cpu_compilation.py`` checks the same on CPU; this runs it
+on any device:
+
+    python3 benchmarks/compiles_after_warmup.py --model /tmp/tiny-smoltok --out $OUT/compiles.json
+
+(``--model``: a directory from ``make_dummy_model.py``, served with random weights.)
+"""
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from jax._src import monitoring
+
+from jaxinfer import LLM, SamplingParams, StructuredOutputs
+
+flags.DEFINE_string("model", None, "A model directory with a tokenizer (random weights are used).", required=True)
+flags.DEFINE_string("out", "compiles_after_warmup.json", "Where the JSON goes.")
+F = flags.FLAGS
+
+PROMPT_LENGTHS = (1, 5, 17, 33, 60, 100, 9, 2, 200, 300)
+FAIL_AT_STEP = 9
+
+
+def run() -> dict:
+    llm = LLM(F.model, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+              token_buckets=(8, 64, 256), seq_buckets=(8,), page_buckets=(8, 32), max_executables=512)
+    t0 = time.perf_counter()
+    llm.warmup(structured=True)
+    warmup_s = time.perf_counter() - t0
+
+    compiled = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    monitoring.register_event_duration_secs_listener(listen)
+    eng, rng = llm.engine, np.random.default_rng(3)
+    execute, failed = eng.runner.execute, []
+
+    def fail_once(output):
+        if not failed and eng.stats()["steps"] >= FAIL_AT_STEP:
+            failed.append(True)
+            for leaf in jax.tree.leaves(eng.runner.cache):
+                leaf.delete()
+            raise RuntimeError("injected device failure")
+        return execute(output)
+
+    eng.runner.execute = fail_once
+    finished = {}
+
+    def step():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+
+    for i, n in enumerate(PROMPT_LENGTHS):
+        max_tokens = int(rng.integers(3, 24))
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=i) if i % 2 else
+                  SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=(13,)))
+        eng.add_request(f"r{i}", rng.integers(3, 40000, n).tolist(), params)
+        if i == 5:
+            eng.add_request("choice", "Is the sky blue? Answer:", SamplingParams(
+                max_tokens=4, temperature=0.0, structured=StructuredOutputs(choice=("yes", "no"))))
+        for _ in range(i % 3 + 1):
+            step()
+        if i == 6:
+            eng.abort("r4")
+    while eng.has_unfinished():
+        step()
+    monitoring.unregister_event_duration_listener(listen)
+    return dict(device=str(jax.devices()[0]), warmup_s=warmup_s, compiled_after_warmup=compiled,
+                failed_step_injected=bool(failed), finished=finished, stats=eng.stats())
+
+
+def main(argv):
+    del argv
+    result = run()
+    print(json.dumps({k: v for k, v in result.items() if k != "stats"}, indent=1, default=str))
+    with open(F.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    sys.exit(1 if result["compiled_after_warmup"] else 0)
+
+
+if __name__ == "__main__":
+    app.run(main)
