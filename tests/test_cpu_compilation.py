@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import benchmark_module
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.batching.backend import backend_for
@@ -49,49 +50,13 @@ def test_nothing_compiles_after_warmup_for_a_varied_workload(tmp_path):
     arrivals of prompts from 1 to 100 tokens, batches of 1 to 4, chunked prefills next to decodes, runs
     of 4 decode steps, greedy and seeded sampling, stop tokens and aborts, a constrained request, and a
     step that fails and is recomputed (a fresh KV pool)."""
-    from jaxinfer import StructuredOutputs
-
-    compiled = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(kwargs.get("fun_name"))
-
     llm = LLM("smollm2-135m", compilation_cache_dir=str(tmp_path), max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=192)
     llm.warmup(structured=True)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        eng, rng = llm.engine, np.random.default_rng(3)
-        real = eng.runner.execute
-        failed = []
-
-        def fail_once(out):  # the 9th step fails as a device error would, taking the pool with it
-            if len(failed) == 0 and eng.stats()["steps"] >= 9:
-                failed.append(out)
-                for x in jax.tree.leaves(eng.runner.cache):
-                    x.delete()
-                raise RuntimeError("injected device failure")
-            return real(out)
-        eng.runner.execute = fail_once
-        for i, n in enumerate((1, 5, 17, 33, 60, 100, 9, 2)):
-            params = (SamplingParams(max_tokens=int(rng.integers(3, 14)), temperature=0.9, seed=i) if i % 2 else
-                      SamplingParams(max_tokens=int(rng.integers(3, 14)), temperature=0.0, stop_token_ids=(13,)))
-            eng.add_request(f"r{i}", rng.integers(3, 40000, n).tolist(), params)
-            if i == 5:
-                eng.add_request("choice", "Is the sky blue? Answer:", SamplingParams(
-                    max_tokens=4, temperature=0.0, structured=StructuredOutputs(choice=("yes", "no"))))
-            for _ in range(i % 3 + 1):
-                eng.step()
-            if i == 6:
-                eng.abort("r4")
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        from jax._src import monitoring
-        monitoring.unregister_event_duration_listener(listen)
-    assert failed, "the step meant to fail did not run"
-    assert compiled == [], f"compiled after warm-up: {compiled}"
+    seen = benchmark_module("compiles_after_warmup").varied_workload(llm, (1, 5, 17, 33, 60, 100, 9, 2), 14)
+    assert seen["failed"], "the step meant to fail did not run"
+    assert seen["compiled"] == [], f"compiled after warm-up: {seen['compiled']}"
+    assert {f"r{i}" for i in range(8) if i != 4} | {"choice"} <= set(seen["finished"]), seen["finished"]
 
 
 def test_greedy_and_sampled_steps_share_one_executable_per_shape(tmp_path):
