@@ -62,12 +62,15 @@ def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * present
 
 
-def _filtered(logits: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution: ``(order, masked)``,
+def _scaled(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """The logits over each row's temperature (greedy rows, temperature 0, left as they are)."""
+    return logits / jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
+
+
+def _filtered(scaled: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """Top-k / top-p / min-p filtering of ``_scaled`` logits on the sorted distribution: ``(order, masked)``,
     the vocabulary sorted by descending logit and the scaled logits in that order, ``-inf`` where filtered."""
-    vocab = logits.shape[-1]
-    temp = jnp.where(b.temperature > 0, b.temperature, 1.0)
-    scaled = logits / temp[:, None]
+    vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab)[None, :]
@@ -120,14 +123,12 @@ def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     and its ``cond`` would read the predicate on the host). Either way a row's token depends only on
     its own parameters and key: the noise is indexed by token for rows that filter nothing and by
     rank for those that do."""
-    vocab = logits.shape[-1]
-    temp = jnp.where(b.temperature > 0, b.temperature, 1.0)
-    noise = _gumbel(logits.shape, b)
-    plain = (((b.top_k <= 0) | (b.top_k >= vocab)) & (b.top_p >= 1.0) & (b.min_p <= 0.0))
-    unfiltered = argmax(logits / temp[:, None] + noise)
+    scaled, noise = _scaled(logits, b), _gumbel(logits.shape, b)
+    plain = ((b.top_k <= 0) | (b.top_k >= logits.shape[-1])) & (b.top_p >= 1.0) & (b.min_p <= 0.0)
+    unfiltered = argmax(scaled + noise)
 
     def filtered():
-        order, masked = _filtered(logits, b)
+        order, masked = _filtered(scaled, b)
         return jnp.take_along_axis(order, argmax(masked + noise)[:, None], axis=-1)[:, 0]
 
     on_cpu = lambda: jax.lax.cond(jnp.all(plain), lambda: unfiltered, filtered)  # noqa: E731
@@ -251,7 +252,7 @@ def _verify_sampled(adjusted, rb: SamplingBatch, b: SamplingBatch, prop, accept,
     """``verify``'s acceptance and tokens with sampled rows: rejection sampling (greedy rows as given)."""
     s, k1 = prop.shape
     vocab = adjusted.shape[-1]
-    order, masked = _filtered(adjusted, rb)
+    order, masked = _filtered(_scaled(adjusted, rb), rb)
     d = prop.reshape(-1)
     rank_of_d = jnp.argmax(order == d[:, None], axis=-1)  # where d sits in the sorted vocabulary
     proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == rank_of_d[:, None])
