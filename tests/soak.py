@@ -721,12 +721,12 @@ def run(minutes: float, clients: int, out: str | None = None, seed: int = 0, url
     (also written to ``out``); its ``problems`` list is empty if every promise held.
     ``break_oracle``: change that case's oracle text before the load (to see a changed output caught);
     ``model``: as ``server_args``."""
-    all_cases = cases()
+    all_cases, flags = cases(), server_args(model)
     started = time.monotonic()
     load_start = os.getloadavg()
     server = None
     if url is None:
-        server = Server(server_args(model))
+        server = Server(flags)
         url = server.url
     try:
         log(f"server up at {url} in {time.monotonic() - started:.0f}s; computing the oracle")
@@ -770,7 +770,7 @@ def run(minutes: float, clients: int, out: str | None = None, seed: int = 0, url
                         oracle_seconds=oracle_seconds, before=before, idle=idle, idle_seconds=idle_seconds,
                         health=health, rss=rss, alive=alive, log_text=log_text,
                         loadavg=(load_start, os.getloadavg()), external=server is None, load_wall=load_wall,
-                        flags=server_args(model))
+                        flags=flags)
     if out:
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
