@@ -3,12 +3,15 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# LLVM at -O0 for the steps the tests compile: on a fresh machine (empty compilation cache) the suite
-# is mostly XLA:CPU compiling small models' steps, and this measured 90 -> 68 s on two of the most
-# compile-bound tests, against 93 -> 99 s on two that mostly run the embedded model. It changes no
-# arithmetic (XLA:CPU does not enable fast-math either way). Appended once, so sub-processes (the
-# server, the sharded runs) inherit it; tests/sharded_runs.py appends its device count after it.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# XLA:CPU set to compile fast: on a fresh machine (empty compilation cache) the suite is mostly XLA
+# compiling small models' steps. LLVM at -O0 measured 90 -> 68 s on two of the most compile-bound
+# tests (93 -> 99 s on two that mostly run the embedded model); the classic elemental emitters instead
+# of the MLIR fusion emitters, no XNNPACK rewrites and the plain scheduler then took a speculative test
+# 34 -> 20 s cold (9 s warm) and the embedded model's oracle file 101 -> 77 s. None changes arithmetic
+# (XLA:CPU enables no fast-math either way). Appended once, so sub-processes (the server, the sharded
+# runs) inherit it; tests/sharded_runs.py appends its device count after it.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack=false"
+                  " --xla_cpu_enable_concurrency_optimized_scheduler=false")
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 # ``make test`` runs pytest-xdist workers (one per core of the 2-core target machine); on an
@@ -24,15 +27,9 @@ import pytest  # noqa: E402
 def tiny_chat_model(tmp_path_factory):
     """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, served with
     ``--load_format=dummy``: steps cost milliseconds, so the server's HTTP side is what a test exercises."""
-    import subprocess
-    import sys
+    from fuzz_openapi import make_tiny_chat_model
 
-    path = tmp_path_factory.mktemp("tiny_chat_model")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "benchmarks/make_dummy_model.py", "--shapes=llama3-8b", "--num_layers=2",
-                    "--hidden_size=64", "--num_heads=4", "--intermediate_size=128", f"--out={path}"],
-                   cwd=root, check=True, capture_output=True)
-    return str(path)
+    return make_tiny_chat_model(str(tmp_path_factory.mktemp("tiny_chat_model")))
 
 
 @pytest.fixture(scope="session")
