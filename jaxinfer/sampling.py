@@ -67,19 +67,76 @@ def _scaled(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     return logits / jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
 
 
-def _filtered(scaled: jax.Array, b: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """Top-k / top-p / min-p filtering of ``_scaled`` logits on the sorted distribution: ``(order, masked)``,
-    the vocabulary sorted by descending logit and the scaled logits in that order, ``-inf`` where filtered."""
+def _ordered(x: jax.Array) -> jax.Array:
+    """float32 -> int32 keys in the same order (a float's sign-magnitude bits, negatives flipped), so a
+    threshold can be searched for by bisection over integers."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _midpoint(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflowing int32
+
+
+def _bisected(keys, probs, top_k, top_p):
+    """``_kept``'s top-k and top-p thresholds (as keys) without sorting: two bisections over the int32
+    keys, 32 halvings each (exact), every one a compare and a sum over ``[S, V]``."""
+    lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
+
+    def halve(_, c):
+        lo_k, hi_k, lo_p, hi_p = c
+        mid = _midpoint(lo_k, hi_k)  # invariant: count(keys >= lo_k) >= k > count(keys >= hi_k)
+        ok = jnp.sum(keys >= mid[:, None], axis=-1) >= top_k
+        lo_k, hi_k = jnp.where(ok, mid, lo_k), jnp.where(ok, hi_k, mid)
+        mid = _midpoint(lo_p, hi_p)  # invariant: mass(keys > lo_p) >= top_p > mass(keys > hi_p)
+        ok = jnp.sum(jnp.where(keys > mid[:, None], probs, 0.0), axis=-1) < top_p
+        lo_p, hi_p = jnp.where(ok, lo_p, mid), jnp.where(ok, mid, hi_p)
+        return lo_k, hi_k, lo_p, hi_p
+
+    lo_k, _, _, hi_p = jax.lax.fori_loop(0, 32, halve, (lo, hi + 1, lo - 1, hi))
+    return lo_k, hi_p
+
+
+def _sorted(keys, probs, top_k, top_p):
+    """``_kept``'s top-k and top-p thresholds (as keys) read off the sorted vocabulary (where sorting is
+    cheap: GPU, TPU)."""
+    keys, probs = jax.lax.sort((-keys - 1, probs), num_keys=1)  # descending keys (-k - 1 cannot overflow)
+    keys = -keys - 1
+    before = jnp.cumsum(probs, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before[:, :-1]], axis=-1)  # the mass above each rank
+    last = jnp.sum(before < top_p[:, None], axis=-1) - 1  # the last rank top-p keeps (rank 0 always)
+    take = lambda i: jnp.take_along_axis(keys, i[:, None], axis=-1)[:, 0]  # noqa: E731
+    return take(top_k - 1), take(jnp.maximum(last, 0))
+
+
+def _kept(scaled: jax.Array, b: SamplingBatch) -> jax.Array:
+    """Which tokens top-k / top-p / min-p keep, ``[S, V]`` bool in vocabulary order.
+
+    Each filter keeps the tokens whose scaled logit reaches a per-row threshold: top-k the k-th
+    largest, top-p the smallest that still has less than ``top_p`` of the probability mass strictly
+    above it (so the most likely token always stays), min-p ``min_p`` times the top probability.
+    Tokens tied at a threshold are all kept. The top-k / top-p thresholds come from a bisection on
+    CPU (XLA:CPU sorted 16 x 49,152 logits in ~280 ms against ~7 ms for a SmolLM2 decode step) and
+    from the sorted vocabulary elsewhere: the same thresholds either way."""
     vocab = scaled.shape[-1]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    keep = (b.top_k[:, None] <= 0) | (rank < b.top_k[:, None])
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this token
-    keep &= (before < b.top_p[:, None]) | (rank == 0)
-    keep &= probs >= b.min_p[:, None] * probs[:, :1]
-    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keys = _ordered(scaled)
+    top_k = jnp.where((b.top_k <= 0) | (b.top_k > vocab), vocab, b.top_k)
+    t_k, t_p = jax.lax.platform_dependent(keys, probs, top_k, b.top_p, cpu=_bisected, default=_sorted)
+    t_p = jnp.where(b.top_p >= 1.0, jnp.iinfo(jnp.int32).min, t_p)
+    keep = (keys >= t_k[:, None]) & (keys >= t_p[:, None])
+    return keep & (probs >= b.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
+
+
+def _masked(scaled: jax.Array, b: SamplingBatch) -> jax.Array:
+    """``scaled`` with what top-k / top-p / min-p filter out at ``-inf``. Rows that filter nothing (the
+    API's defaults) need no thresholds: on CPU, where XLA evaluates a ``lax.cond`` in place, a batch
+    of such rows skips them; elsewhere they are computed anyway (a GPU's ``cond`` would read the
+    predicate on the host, blocking the step's dispatch)."""
+    plain = ((b.top_k <= 0) | (b.top_k >= scaled.shape[-1])) & (b.top_p >= 1.0) & (b.min_p <= 0.0)
+    filtered = lambda: jnp.where(_kept(scaled, b), scaled, -jnp.inf)  # noqa: E731
+    on_cpu = lambda: jax.lax.cond(jnp.all(plain), lambda: scaled, filtered)  # noqa: E731
+    return jax.lax.platform_dependent(cpu=on_cpu, default=filtered)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -114,25 +171,10 @@ def _gumbel_argmax(masked: jax.Array, b: SamplingBatch) -> jax.Array:
 
 
 def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    """Temperature, then top-k / top-p / min-p filtering on the sorted distribution, then Gumbel-max.
-
-    A row that filters nothing (no top-k below the vocabulary, top-p 1, min-p 0: the API's defaults)
-    samples from the scaled logits as they are, with no sort: XLA:CPU sorts 16 x 49,152 logits in
-    ~280 ms against ~7 ms for a SmolLM2 decode step. On CPU the sort runs only when some row filters
-    (a ``lax.cond``, evaluated in place there); elsewhere it always runs (a GPU sorts in microseconds,
-    and its ``cond`` would read the predicate on the host). Either way a row's token depends only on
-    its own parameters and key: the noise is indexed by token for rows that filter nothing and by
-    rank for those that do."""
-    scaled, noise = _scaled(logits, b), _gumbel(logits.shape, b)
-    plain = ((b.top_k <= 0) | (b.top_k >= logits.shape[-1])) & (b.top_p >= 1.0) & (b.min_p <= 0.0)
-    unfiltered = argmax(scaled + noise)
-
-    def filtered():
-        order, masked = _filtered(scaled, b)
-        return jnp.take_along_axis(order, argmax(masked + noise)[:, None], axis=-1)[:, 0]
-
-    on_cpu = lambda: jax.lax.cond(jnp.all(plain), lambda: unfiltered, filtered)  # noqa: E731
-    return jnp.where(plain, unfiltered, jax.lax.platform_dependent(cpu=on_cpu, default=filtered))
+    """Temperature, then top-k / top-p / min-p filtering, then Gumbel-max. A row's token depends only on
+    its own parameters and key (the noise is indexed by token)."""
+    scaled = _scaled(logits, b)
+    return _gumbel_argmax(_masked(scaled, b), b)
 
 
 def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -156,7 +198,7 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     """Sample one token per row of float32 ``logits [S, V]``.
 
     The flags are static (the host knows them from the requests), so a step compiles without work it
-    does not need: ``greedy_only`` skips the sort over the vocabulary. ``greedy_only=None`` decides
+    does not need: ``greedy_only`` skips sampling and its filters. ``greedy_only=None`` decides
     that at run time (a ``lax.cond`` on the temperatures), so greedy and sampled steps share one
     executable: what the CPU does (``ModelRunner``), where XLA evaluates the predicate in place; XLA
     on GPU reads it on the host, which blocks the dispatch of the whole step. ``num_logprobs=None``
@@ -252,14 +294,12 @@ def _verify_sampled(adjusted, rb: SamplingBatch, b: SamplingBatch, prop, accept,
     """``verify``'s acceptance and tokens with sampled rows: rejection sampling (greedy rows as given)."""
     s, k1 = prop.shape
     vocab = adjusted.shape[-1]
-    order, masked = _filtered(_scaled(adjusted, rb), rb)
+    masked = _masked(_scaled(adjusted, rb), rb)
     d = prop.reshape(-1)
-    rank_of_d = jnp.argmax(order == d[:, None], axis=-1)  # where d sits in the sorted vocabulary
-    proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == rank_of_d[:, None])
+    proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == d[:, None])
     p_d = jnp.sum(jnp.where(proposed, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
     u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(_row_keys(rb))
-    choice = _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
-    resampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    resampled = _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
     kept = (d >= 0) & (u < p_d)
     sampled = jnp.where(kept, d, resampled).reshape(s, k1).astype(jnp.int32)
     greedy_row = (b.temperature == 0)[:, None]

@@ -1,11 +1,13 @@
 """The on-device sampler against direct computations on the same logits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import SamplingBatch, argmax, sample
+from jaxinfer.sampling import SamplingBatch, _bisected, _kept, _ordered, _sorted, argmax, sample
 
 
 def batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0, presence=0.0, frequency=0.0,
@@ -72,6 +74,66 @@ def test_top_k_and_top_p_restrict_support():
     assert set(tp.tolist()) == {0, 1, 2}
     mp = np.asarray(sample(jnp.tile(row, (n, 1)), batch(n, min_p=float(p[2] / p[0]) * 0.99)).tokens)
     assert set(mp.tolist()) == {0, 1, 2}
+
+
+def _reference_kept(x, top_k, top_p, min_p):
+    """What the filters keep, from their definitions, in numpy (float64 masses)."""
+    n, vocab = x.shape
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(x), axis=-1), np.float64)
+    want = np.zeros((n, vocab), bool)
+    for r in range(n):
+        k = vocab if top_k[r] <= 0 else min(top_k[r], vocab)
+        kth = np.sort(x[r])[::-1][k - 1]
+        above = np.array([probs[r][x[r] > v].sum() for v in x[r]]) if top_p[r] < 1 else np.zeros(vocab)
+        want[r] = (x[r] >= kth) & (above < top_p[r]) & (probs[r] >= min_p[r] * probs[r].max())
+    return want, probs
+
+
+def _consecutive(n: int, rng) -> np.ndarray:
+    """``n`` float32 logits one ulp apart, shuffled: their int32 keys are consecutive."""
+    return (np.float32(1.0).view(np.int32) + rng.permutation(n)).astype(np.int32).view(np.float32)
+
+
+def test_filters_keep_the_tokens_at_or_above_their_thresholds():
+    """The kept set of each filter, against numpy on the same rows: top-k the tokens at or above the
+    k-th largest logit, top-p each token with less than top_p of the mass strictly above it, min-p
+    each token of at least min_p times the top probability (ties at a threshold all kept). Both ways
+    of finding the thresholds (the CPU's bisection, the other platforms' sort) give that set.
+    Random rows mix every filter at and beyond its limits, some with -inf logits (a structured-output
+    mask); built rows have ties at the k-th logit, and logits that are consecutive floats (keys one
+    apart, where a bisection off by one shows): 3,000 of them, and 8 under every k and every top-p
+    between two cumulative masses."""
+    rng = np.random.default_rng(0)
+    n, vocab = 48, 3000
+    x = (rng.standard_normal((n, vocab)) * rng.uniform(0.3, 8, (n, 1))).astype(np.float32)
+    x[::5, rng.integers(0, vocab, 500)] = -np.inf
+    top_k = rng.choice([-1, 0, 1, 2, 40, vocab - 1, vocab, vocab + 5], n).astype(np.int32)
+    top_p = rng.choice([1e-6, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0], n).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.01, 0.2, 1.0], n).astype(np.float32)
+    x[0] = rng.permutation(np.repeat(np.arange(30, dtype=np.float32), 100))  # 100 tokens tie at each value
+    top_k[0], top_p[0], min_p[0] = 250, 1.0, 0.0  # keeps the three highest values: 300 tokens
+    x[1], top_k[1], top_p[1], min_p[1] = _consecutive(vocab, rng), 1234, 1.0, 0.0
+    x[2], top_k[2], top_p[2], min_p[2] = _consecutive(vocab, rng), 0, 0.3001, 0.0
+    small = np.stack([_consecutive(8, rng) for _ in range(16)])  # near-uniform: cumulative masses ~1/8 apart
+    masses = np.cumsum(np.sort(np.asarray(jax.nn.softmax(jnp.asarray(small[0])), np.float64))[::-1])
+    cases = [(x, top_k, top_p, min_p),
+             (small, np.r_[np.arange(1, 9), np.zeros(8)].astype(np.int32),
+              np.r_[np.ones(8), (np.r_[0, masses[:-1]] + masses) / 2].astype(np.float32), np.zeros(16, np.float32))]
+    for x, top_k, top_p, min_p in cases:
+        b = batch(len(x))
+        b = SamplingBatch(b.temperature, top_k, top_p, min_p, *dataclasses.astuple(b)[4:])
+        want, probs = _reference_kept(x, top_k, top_p, min_p)
+        np.testing.assert_array_equal(np.asarray(jax.jit(_kept)(jnp.asarray(x), b)), want)  # this platform's path
+        keys, k = _ordered(jnp.asarray(x)), jnp.where(top_k <= 0, len(x[0]), np.minimum(top_k, len(x[0])))
+        for thresholds in (_bisected, _sorted):  # both paths, whatever this platform is
+            t_k, t_p = jax.jit(thresholds)(keys, jnp.asarray(probs, jnp.float32), k, top_p)
+            kept = (keys >= t_k[:, None]) & ((keys >= t_p[:, None]) | (top_p[:, None] >= 1))
+            np.testing.assert_array_equal(kept & (probs >= min_p[:, None] * probs.max(-1, keepdims=True)), want,
+                                          err_msg=thresholds.__name__)
+    assert want.sum(1).tolist() == [*range(1, 9), *range(1, 9)]  # the small rows: each k, each top-p
+    x, top_k, top_p, min_p = cases[0]
+    want, probs = _reference_kept(x[:3], top_k[:3], top_p[:3], min_p[:3])
+    assert want[0].sum() == 300 and want[1].sum() == 1234 and 0.3001 <= probs[2][want[2]].sum() < 0.3001 + 1.1 / vocab
 
 
 def test_seed_and_step_determine_the_draw(logits):
