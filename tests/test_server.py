@@ -262,6 +262,7 @@ BAD = [
     ("/v1/completions", b'[1, 2]', 400, None, "JSON object"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", "string"),
+    ("/v1/completions", {"prompt": "\u0004\u0006"}, 400, "prompt", "encodes to no tokens"),  # bytes SmolLM2 lacks
     ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", "gpt-9"),

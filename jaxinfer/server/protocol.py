@@ -37,6 +37,13 @@ def _int(low: int, high: int | None = None):
 
 
 Text = Annotated[str, Field(min_length=1)]
+# Constraint texts, each with its JSON Schema ``format`` so /openapi.json says what the string must
+# hold ("regex" is JSON Schema's own; the other two are this server's names, described here).
+Regex = Annotated[str, Field(min_length=1, json_schema_extra={"format": "regex"})]
+Grammar = Annotated[str, Field(min_length=1, description="a Lark grammar, or llama.cpp's GBNF (rules written "
+                               "'name ::= ...')", json_schema_extra={"format": "grammar"})]
+SchemaText = Annotated[str, Field(min_length=1, description="a JSON schema as JSON text",
+                                  json_schema_extra={"format": "json-schema"})]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Choices = Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
 TokenId = _int(0, MAX_TOKEN_ID)
@@ -79,13 +86,17 @@ class StreamOptions(_Strict):
 
 
 class StructuredOutputsParam(_Strict):
-    """vLLM's ``structured_outputs`` object: exactly one field set."""
+    """vLLM's ``structured_outputs`` object: exactly one field set (not null, and json_object not false)."""
 
-    json_: dict | Text | None = Field(None, alias="json")
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": [name], "properties": {name: {"not": {"enum": [None, False]}}}}
+        for name in ("json", "json_object", "regex", "choice", "grammar")]})
+
+    json_: dict | SchemaText | None = Field(None, alias="json")
     json_object: bool | None = None
-    regex: Text | None = None
+    regex: Regex | None = None
     choice: Choices | None = None
-    grammar: Text | None = None
+    grammar: Grammar | None = None
 
 
 class JSONSchemaFormat(_Strict):
@@ -153,17 +164,35 @@ class _Sampling(_Strict):
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None  # unsupported: empty or null
     user: str | None = None
     # vLLM's constraint fields, so its clients work unchanged (at most one constraint per request).
-    guided_json: dict | Text | None = None
-    guided_regex: Text | None = None
+    guided_json: dict | SchemaText | None = None
+    guided_regex: Regex | None = None
     guided_choice: Choices | None = None
-    guided_grammar: Text | None = None
+    guided_grammar: Grammar | None = None
     structured_outputs: StructuredOutputsParam | None = None
     # vLLM's field: under --scheduling_policy=priority a lower value runs first (and may preempt a
     # running request of a higher value); ties are first come first served.
     priority: _int(-MAX_PRIORITY, MAX_PRIORITY) = 0
 
 
+def _at_most_one(unset: dict[str, dict]) -> dict:
+    """JSON Schema for "at most one of these fields is set": one branch per field, in which every other
+    field is as ``unset`` describes it (absent, or a value that sets nothing)."""
+    return {"anyOf": [{"properties": {other: schema for other, schema in unset.items() if other != name}}
+                      for name in unset]}
+
+
+# A request takes one output constraint (server.constraints): what "not set" means for each field.
+_NULL = {"type": "null"}
+_NO_CONSTRAINT = {name: _NULL for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                           "structured_outputs")}
+_NO_CHAT_CONSTRAINT = {**_NO_CONSTRAINT,
+                       "response_format": {"anyOf": [_NULL, {"properties": {"type": {"const": "text"}}}]},
+                       "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}]}}
+
+
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra=_at_most_one(_NO_CONSTRAINT))
+
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
     logprobs: Logprobs | None = None
@@ -190,10 +219,18 @@ _SOME_TEXT = {"contains": {"anyOf": [
     {"required": ["content"], "properties": {"content": {"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "contains": {"required": ["text"], "properties": {"text": {"minLength": 1}}}}]}}},
-    {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]}}
+    {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}}
+
+
+# top_logprobs needs logprobs: true (as OpenAI's API says).
+_TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [{"properties": {"top_logprobs": _NULL}},
+                                         {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_at_most_one(_NO_CHAT_CONSTRAINT),
+                                                           _TOP_LOGPROBS_NEED_LOGPROBS]})
+
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra=_SOME_TEXT)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
