@@ -44,9 +44,10 @@ def test_json_schemas_every_output_validates(llm):
 
 
 def _arithmetic(text: str) -> bool:
-    """Whether ``text`` is an arithmetic expression: numbers, + - * /, parentheses."""
+    """Whether ``text`` is an arithmetic expression: numbers, + - * /, parentheses. Numbers may have
+    leading zeros ("08": both grammars allow them, Python's parser does not, so they are dropped)."""
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = ast.parse(re.sub(r"\b0+(?=\d)", "", text), mode="eval")
     except SyntaxError:
         return False
     allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div,
