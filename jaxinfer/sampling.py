@@ -128,14 +128,16 @@ def _kept(scaled: jax.Array, b: SamplingBatch) -> jax.Array:
     return keep & (probs >= b.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
 
 
-def _masked(scaled: jax.Array, b: SamplingBatch) -> jax.Array:
-    """``scaled`` with what top-k / top-p / min-p filter out at ``-inf``. Rows that filter nothing (the
-    API's defaults) need no thresholds: on CPU, where XLA evaluates a ``lax.cond`` in place, a batch
-    of such rows skips them; elsewhere they are computed anyway (a GPU's ``cond`` would read the
-    predicate on the host, blocking the step's dispatch)."""
+def _filtered(scaled: jax.Array, b: SamplingBatch, use: Callable):
+    """``use(masked)``: ``masked`` is ``scaled`` with what top-k / top-p / min-p filter out at ``-inf``.
+    Rows that filter nothing (the API's defaults) need no thresholds: on CPU, where XLA evaluates a
+    ``lax.cond`` in place, a batch of such rows skips them; elsewhere they are computed anyway (a
+    GPU's ``cond`` would read the predicate on the host, blocking the step's dispatch). ``use`` runs
+    inside each branch, so it fuses with the masking and the branch returns only its (per-row)
+    result: a cond returning the ``[S, V]`` logits cost 6% of a SmolLM2 sampled batch-8 step."""
     plain = ((b.top_k <= 0) | (b.top_k >= scaled.shape[-1])) & (b.top_p >= 1.0) & (b.min_p <= 0.0)
-    filtered = lambda: jnp.where(_kept(scaled, b), scaled, -jnp.inf)  # noqa: E731
-    on_cpu = lambda: jax.lax.cond(jnp.all(plain), lambda: scaled, filtered)  # noqa: E731
+    filtered = lambda: use(jnp.where(_kept(scaled, b), scaled, -jnp.inf))  # noqa: E731
+    on_cpu = lambda: jax.lax.cond(jnp.all(plain), lambda: use(scaled), filtered)  # noqa: E731
     return jax.lax.platform_dependent(cpu=on_cpu, default=filtered)
 
 
@@ -173,8 +175,7 @@ def _gumbel_argmax(masked: jax.Array, b: SamplingBatch) -> jax.Array:
 def _sample_random(logits: jax.Array, b: SamplingBatch) -> jax.Array:
     """Temperature, then top-k / top-p / min-p filtering, then Gumbel-max. A row's token depends only on
     its own parameters and key (the noise is indexed by token)."""
-    scaled = _scaled(logits, b)
-    return _gumbel_argmax(_masked(scaled, b), b)
+    return _filtered(_scaled(logits, b), b, lambda masked: _gumbel_argmax(masked, b))
 
 
 def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -294,12 +295,15 @@ def _verify_sampled(adjusted, rb: SamplingBatch, b: SamplingBatch, prop, accept,
     """``verify``'s acceptance and tokens with sampled rows: rejection sampling (greedy rows as given)."""
     s, k1 = prop.shape
     vocab = adjusted.shape[-1]
-    masked = _masked(_scaled(adjusted, rb), rb)
     d = prop.reshape(-1)
     proposed = (d >= 0)[:, None] & (jnp.arange(vocab)[None, :] == d[:, None])
-    p_d = jnp.sum(jnp.where(proposed, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+
+    def p_d_and_residual(masked):
+        p_d = jnp.sum(jnp.where(proposed, jax.nn.softmax(masked, axis=-1), 0.0), axis=-1)
+        return p_d, _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
+
+    p_d, resampled = _filtered(_scaled(adjusted, rb), rb, p_d_and_residual)
     u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(_row_keys(rb))
-    resampled = _gumbel_argmax(jnp.where(proposed, -jnp.inf, masked), rb)  # residual (or plain) sample
     kept = (d >= 0) & (u < p_d)
     sampled = jnp.where(kept, d, resampled).reshape(s, k1).astype(jnp.int32)
     greedy_row = (b.temperature == 0)[:, None]

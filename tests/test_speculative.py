@@ -20,7 +20,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.speculative import NgramProposer
 from jaxinfer.server.metrics import Metrics
-from jaxinfer.sampling import SamplingBatch, _masked, verify
+from jaxinfer.sampling import SamplingBatch, _filtered, verify
 from test_batching import BASE, assert_no_leak, drive, greedy, make_prompts, run_alone
 
 MODEL = "tiny-llama3"
@@ -347,7 +347,7 @@ def test_rejection_sampling_keeps_the_target_distribution(top_p):
     b1 = _sampling_batch(1, top_p=top_p)
     target = []
     for j in range(2):
-        target.append(np.asarray(jax.nn.softmax(_masked(logits[j:j + 1], b1)[0]), np.float64))
+        target.append(np.asarray(_filtered(logits[j:j + 1], b1, lambda m: jax.nn.softmax(m[0])), np.float64))
     # propose the target's second most likely first token, then an arbitrary one
     d0 = int(np.argsort(-target[0])[1])
     proposals = np.tile(np.asarray([[d0, 5]], np.int32), (rows, 1))
