@@ -141,9 +141,8 @@ def _fits(body: dict) -> bool:
     else:
         prompt = body.get("prompt")
         many = isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str)
-        prompts = [p if isinstance(p, list) else len(p.encode("utf-8", "surrogatepass"))
+        prompts = [len(p) if isinstance(p, list) else len(p.encode("utf-8", "surrogatepass"))
                    for p in (prompt if many else [prompt])]
-        prompts = [len(p) if isinstance(p, list) else p for p in prompts]
     return max(prompts) + asked <= MAX_MODEL_LEN and len(prompts) * n <= MAX_NUM_SEQS + MAX_WAITING
 
 

@@ -119,10 +119,14 @@ def test_filters_keep_the_tokens_at_or_above_their_thresholds():
     cases = [(x, top_k, top_p, min_p),
              (small, np.r_[np.arange(1, 9), np.zeros(8)].astype(np.int32),
               np.r_[np.ones(8), (np.r_[0, masses[:-1]] + masses) / 2].astype(np.float32), np.zeros(16, np.float32))]
-    for x, top_k, top_p, min_p in cases:
+    references = [_reference_kept(*case) for case in cases]
+    (built, built_probs), (small_want, _) = references
+    assert built[0].sum() == 300 and built[1].sum() == 1234  # the built rows are what they are meant to be
+    assert 0.3001 <= built_probs[2][built[2]].sum() < 0.3001 + 1.1 / vocab
+    assert small_want.sum(1).tolist() == [*range(1, 9), *range(1, 9)]  # the small rows: each k, each top-p
+    for (x, top_k, top_p, min_p), (want, probs) in zip(cases, references):
         b = batch(len(x))
         b = SamplingBatch(b.temperature, top_k, top_p, min_p, *dataclasses.astuple(b)[4:])
-        want, probs = _reference_kept(x, top_k, top_p, min_p)
         np.testing.assert_array_equal(np.asarray(jax.jit(_kept)(jnp.asarray(x), b)), want)  # this platform's path
         keys, k = _ordered(jnp.asarray(x)), jnp.where(top_k <= 0, len(x[0]), np.minimum(top_k, len(x[0])))
         for thresholds in (_bisected, _sorted):  # both paths, whatever this platform is
@@ -130,10 +134,6 @@ def test_filters_keep_the_tokens_at_or_above_their_thresholds():
             kept = (keys >= t_k[:, None]) & ((keys >= t_p[:, None]) | (top_p[:, None] >= 1))
             np.testing.assert_array_equal(kept & (probs >= min_p[:, None] * probs.max(-1, keepdims=True)), want,
                                           err_msg=thresholds.__name__)
-    assert want.sum(1).tolist() == [*range(1, 9), *range(1, 9)]  # the small rows: each k, each top-p
-    x, top_k, top_p, min_p = cases[0]
-    want, probs = _reference_kept(x[:3], top_k[:3], top_p[:3], min_p[:3])
-    assert want[0].sum() == 300 and want[1].sum() == 1234 and 0.3001 <= probs[2][want[2]].sum() < 0.3001 + 1.1 / vocab
 
 
 def test_seed_and_step_determine_the_draw(logits):
