@@ -538,8 +538,8 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
     x = runner.inputs.build(out)
     assert x.flags["greedy_only"] == greedy_only and x.md.decode_only == (batch == "decode_only")
     inputs, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))
-    lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, inputs, packing=packing,
-                                 **x.flags).lower(lowering_platforms=("cuda",))
+    lowered = runner._step.trace(runner.weights, runner.cache, runner.last_tokens, inputs, spec=runner.compiler.spec,
+                                 packing=packing, **x.flags).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text  # the Pallas GPU kernels are in the step
     assert ("rope_paged_decode_gpu" in text) == (batch == "decode_only")

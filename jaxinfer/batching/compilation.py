@@ -72,8 +72,11 @@ def first_steps(plan: list[PlannedStep], buckets: Buckets) -> list[PlannedStep]:
 
 
 class CompilationManager:
-    def __init__(self, max_executables: int):
+    def __init__(self, max_executables: int, spec):
+        """``spec``: the static argument every step function takes besides the per-step flags (the
+        model and its ops: ``model_runner.StepSpec``), the same for all of this manager's steps."""
         self.max_executables = max_executables
+        self.spec = spec
         self.num_compilations = 0
         self._executables: collections.OrderedDict = collections.OrderedDict()  # LRU: key -> compiled step
         self._compiling: dict = {}  # key -> Future of a compilation under way (warm-up's thread or a step)
@@ -92,7 +95,7 @@ class CompilationManager:
         return self._background is not None and self._background.is_alive()
 
     def get(self, fn, args, packing, flags: dict, only_if_ready: bool = False):
-        """``fn`` (a jitted step function taking ``packing`` and ``flags`` as static arguments) compiled
+        """``fn`` (a jitted step function taking ``spec``, ``packing`` and ``flags`` as static arguments) compiled
         for these arguments: from the LRU, from a compilation already under way in another thread
         (waited for), or compiled now (through the persistent compilation cache when one is set),
         evicting the least recently used; ``only_if_ready``: from the LRU or None. Thread-safe:
@@ -115,7 +118,7 @@ class CompilationManager:
             return pending.result()
         try:
             with self._trace_lock:
-                lowered = fn.lower(*args, packing=packing, **flags)
+                lowered = fn.lower(*args, spec=self.spec, packing=packing, **flags)
             exe = lowered.compile()  # XLA releases the GIL: steps run meanwhile
         except BaseException as e:
             with self._lock:

@@ -11,6 +11,7 @@ sequence); the KV cache is donated to it, so each step updates the cache in plac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable
 
@@ -74,6 +75,127 @@ def _as_last_tokens(tokens: jax.Array, prev_tokens: jax.Array) -> jax.Array:
     return jnp.zeros_like(prev_tokens).at[:tokens.shape[0]].set(tokens)
 
 
+# ------------------------------------------------------------------------------ the step functions
+# Module-level, with the model and its ops as one static argument (``StepSpec``): JAX caches a trace,
+# its lowering and its executable by function and static arguments, so every engine of the same model,
+# backend and shapes in a process shares them. As methods of each runner they were traced, lowered and
+# compiled again for every engine (a notebook re-creating its ``LLM``, the test suite's many engines).
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a step is compiled for besides its arguments' shapes and the per-step flags."""
+
+    config: ModelConfig
+    ops: Ops
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    step: Callable
+    multi: Callable  # several decode steps in one executable (``num_scheduler_steps``)
+    # A step with constrained requests runs as these two, so the host can fill its bitmask while the
+    # device runs the forward pass (``ModelRunner.run_forward``).
+    forward: Callable
+    sample: Callable
+
+
+@functools.cache
+def step_functions(mesh=None, kv_quantized: bool = False) -> StepFunctions:
+    """The jitted step functions, one set per mesh. Over a mesh (``models.sharding``) a step takes its
+    inputs' shardings (weights and cache as placed, the rest replicated; jit refuses in_shardings with
+    the static keyword flags) and pins its outputs': the cache comes back as it went in, so the next
+    step finds it as compiled for (no recompilation, no resharding)."""
+    step_kw, forward_kw, sample_kw = {}, {}, {}
+    if mesh is not None:
+        rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh, kv_quantized)
+        step_kw = dict(out_shardings=(rep, kv, rep))
+        forward_kw, sample_kw = dict(out_shardings=(rep, kv)), dict(out_shardings=(rep, rep))
+    flags = ("spec", "packing", "greedy_only", "num_logprobs", "penalties")
+    return StepFunctions(
+        step=jax.jit(_step_fn, static_argnames=flags, donate_argnums=(1,), compiler_options=_COMPILER_OPTIONS,
+                     **step_kw),
+        multi=jax.jit(_multi_fn, static_argnames=flags + ("num_steps",), donate_argnums=(1,),
+                      compiler_options=_COMPILER_OPTIONS, **step_kw),
+        forward=jax.jit(_forward_fn, static_argnames=("spec", "packing"), donate_argnums=(1,),
+                        compiler_options=_COMPILER_OPTIONS, **forward_kw),
+        sample=jax.jit(_sample_fn, static_argnames=flags, **sample_kw))
+
+
+def _step_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, penalties):
+    tokens, positions, md, sb = unpack_inputs(inputs, packing)
+    log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s penalties=%s",
+             tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
+             num_logprobs, penalties)
+    logits, cache = _forward_tokens(spec, weights, cache, prev_tokens, tokens, positions, md)
+    kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
+    if sb.proposals is not None:  # speculative: logits at every proposed position
+        s = sb.proposals.shape[0]
+        result = verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw)
+        # the last token emitted: the next step's input where every proposal was accepted (where
+        # one was not, the host discards what the next step computed for that sequence)
+        last = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
+        return result, cache, _as_last_tokens(last, prev_tokens)
+    result = sample(logits, sb, **kw)
+    return result, cache, _as_last_tokens(result.tokens, prev_tokens)
+
+
+def _multi_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, penalties,
+              num_steps):
+    """``num_steps`` decode steps of a decode-only batch in one executable (``num_scheduler_steps``):
+    each iteration feeds every sequence one token, writes its K/V into the slot after the last
+    (pages the scheduler reserved ahead), samples the next token (output index ``step + i``: the
+    same key as a step of its own would use) and feeds it to the next. Returns the tokens (and
+    logprobs, if asked) with a ``num_steps`` axis after the sequences'. The host's dispatch, input
+    and output work is then paid once per ``num_steps`` tokens. Not with penalties (their counts
+    would change inside the run)."""
+    assert not penalties
+    tokens, positions, md, sb = unpack_inputs(inputs, packing)
+    log.info("compiling %d-step decode: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s", num_steps,
+             tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only)
+    ps, n = cache.page_size, tokens.shape[0]
+    live = md.slot_mapping < cache.num_pages * ps  # real tokens; padding keeps its dropped slot
+    row = jnp.minimum(jnp.arange(n), md.page_table.shape[0] - 1)  # decode-only: token j is sequence j's
+    fed = -1 - jnp.minimum(jnp.arange(n, dtype=jnp.int32), prev_tokens.shape[0] - 1)  # "row j's last sample"
+
+    def one(i, carry):
+        cache, prev, out = carry
+        pos = positions + i
+        slots = jnp.where(live, md.page_table[row, pos // ps] * ps + pos % ps, md.slot_mapping)
+        md_i = dataclasses.replace(md, slot_mapping=slots, seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + i, 0))
+        logits, cache = _forward_tokens(spec, weights, cache, prev, jnp.where(i == 0, tokens, fed), pos, md_i)
+        result = sample(logits, dataclasses.replace(sb, step=sb.step + i), greedy_only=greedy_only,
+                        num_logprobs=num_logprobs)
+        out = jax.tree.map(lambda o, r: o.at[:, i].set(r), out, result)
+        return cache, _as_last_tokens(result.tokens, prev), out
+
+    rows = md.page_table.shape[0]
+    out = jax.tree.map(lambda x: jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype),
+                       jax.eval_shape(lambda: sample(jnp.zeros((rows, spec.config.vocab_size)), sb,
+                                                     greedy_only=True, num_logprobs=num_logprobs)))
+    cache, last, out = jax.lax.fori_loop(0, num_steps, one, (cache, prev_tokens, out))
+    return out, cache, last
+
+
+def _forward_tokens(spec, weights, cache, prev_tokens, tokens, positions, md):
+    tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
+    return forward(weights, tokens, positions, cache, md, spec.config, spec.ops)
+
+
+def _forward_fn(weights, cache, prev_tokens, inputs, *, spec, packing):
+    tokens, positions, md = unpack_inputs(inputs, packing)
+    log.info("compiling forward: tokens=%d seqs=%d pages=%d decode_only=%s", tokens.shape[0],
+             md.page_table.shape[0], md.page_table.shape[1], md.decode_only)
+    return _forward_tokens(spec, weights, cache, prev_tokens, tokens, positions, md)
+
+
+def _sample_fn(logits, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, penalties):
+    sb, bitmask = unpack_inputs(inputs, packing)
+    result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties,
+                    bitmask=bitmask)
+    return result, _as_last_tokens(result.tokens, prev_tokens)
+
+
 class ModelRunner:
     def __init__(self, resolved: ResolvedConfig, config: ModelConfig, weights: Weights, cache: KVCache, ops: Ops,
                  mesh=None, on_dispatch: Callable | None = None):
@@ -93,105 +215,17 @@ class ModelRunner:
         decode_max_seqs = ops.decode_attention_max_seqs if ops.decode_attention is not None else 0
         self.inputs = InputBuilder(resolved.buckets, cache.num_pages, cache.page_size, decode_max_seqs,
                                    resolved.max_logprobs, backend.greedy_in_step and ops.defer_kv_write)
-        self.compiler = CompilationManager(resolved.max_executables)
+        self.compiler = CompilationManager(resolved.max_executables, StepSpec(config, ops))
         self._sample_buffers: dict[Packing, np.ndarray] = {}  # ConstrainedSample's, by layout
         # The last step's sampled tokens, padded to the largest sequence bucket, stay on device:
         # the next step reads its decode inputs from here instead of waiting for the host.
         self.last_tokens = jnp.zeros(resolved.buckets.seqs[-1], jnp.int32)
-        # Over a mesh (``models.sharding``) the step takes its inputs' shardings (weights and cache
-        # as placed, the rest replicated; jit refuses in_shardings with the static keyword flags) and
-        # pins its outputs': the cache comes back as it went in, so the next step finds it as
-        # compiled for (no recompilation, no resharding).
-        step_kw, forward_kw, sample_kw, kv = {}, {}, {}, None
         if mesh is not None:
-            rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh, cache.quantized)
-            self.last_tokens = jax.device_put(self.last_tokens, rep)
-            step_kw = dict(out_shardings=(rep, kv, rep))
-            forward_kw, sample_kw = dict(out_shardings=(rep, kv)), dict(out_shardings=(rep, rep))
+            self.last_tokens = jax.device_put(self.last_tokens, sharding.replicated(mesh))
         self._local = mesh is not None and jax.process_count() > 1  # results are read from process 0's copy
-        self.swapper = Swapper(kv)
-        flags = ("packing", "greedy_only", "num_logprobs", "penalties")
-        self._step = jax.jit(self._step_fn, static_argnames=flags, donate_argnums=(1,),
-                             compiler_options=_COMPILER_OPTIONS, **step_kw)
-        # Several decode steps in one executable (``num_scheduler_steps``).
-        self._multi = jax.jit(self._multi_fn, static_argnames=flags + ("num_steps",), donate_argnums=(1,),
-                              compiler_options=_COMPILER_OPTIONS, **step_kw)
-        # A step with constrained requests runs as these two, so the host can fill its bitmask while
-        # the device runs the forward pass (``run_forward``).
-        self._forward = jax.jit(self._forward_fn, static_argnames=("packing",), donate_argnums=(1,),
-                                compiler_options=_COMPILER_OPTIONS, **forward_kw)
-        self._sample = jax.jit(self._sample_fn, static_argnames=flags, **sample_kw)
-
-    # ----------------------------------------------------------------------- the step functions
-
-    def _step_fn(self, weights, cache, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties):
-        tokens, positions, md, sb = unpack_inputs(inputs, packing)
-        log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s penalties=%s",
-                 tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
-                 num_logprobs, penalties)
-        logits, cache = self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
-        kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
-        if sb.proposals is not None:  # speculative: logits at every proposed position
-            s = sb.proposals.shape[0]
-            result = verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw)
-            # the last token emitted: the next step's input where every proposal was accepted (where
-            # one was not, the host discards what the next step computed for that sequence)
-            last = jnp.take_along_axis(result.tokens, result.num_accepted[:, None], axis=1)[:, 0]
-            return result, cache, _as_last_tokens(last, prev_tokens)
-        result = sample(logits, sb, **kw)
-        return result, cache, _as_last_tokens(result.tokens, prev_tokens)
-
-    def _multi_fn(self, weights, cache, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties,
-                  num_steps):
-        """``num_steps`` decode steps of a decode-only batch in one executable (``num_scheduler_steps``):
-        each iteration feeds every sequence one token, writes its K/V into the slot after the last
-        (pages the scheduler reserved ahead), samples the next token (output index ``step + i``: the
-        same key as a step of its own would use) and feeds it to the next. Returns the tokens (and
-        logprobs, if asked) with a ``num_steps`` axis after the sequences'. The host's dispatch, input
-        and output work is then paid once per ``num_steps`` tokens. Not with penalties (their counts
-        would change inside the run)."""
-        assert not penalties
-        tokens, positions, md, sb = unpack_inputs(inputs, packing)
-        log.info("compiling %d-step decode: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s", num_steps,
-                 tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only)
-        ps, n = cache.page_size, tokens.shape[0]
-        live = md.slot_mapping < cache.num_pages * ps  # real tokens; padding keeps its dropped slot
-        row = jnp.minimum(jnp.arange(n), md.page_table.shape[0] - 1)  # decode-only: token j is sequence j's
-        fed = -1 - jnp.minimum(jnp.arange(n, dtype=jnp.int32), prev_tokens.shape[0] - 1)  # "row j's last sample"
-
-        def one(i, carry):
-            cache, prev, out = carry
-            pos = positions + i
-            slots = jnp.where(live, md.page_table[row, pos // ps] * ps + pos % ps, md.slot_mapping)
-            md_i = dataclasses.replace(md, slot_mapping=slots, seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + i, 0))
-            logits, cache = self._forward_tokens(weights, cache, prev, jnp.where(i == 0, tokens, fed), pos, md_i)
-            result = sample(logits, dataclasses.replace(sb, step=sb.step + i), greedy_only=greedy_only,
-                            num_logprobs=num_logprobs)
-            out = jax.tree.map(lambda o, r: o.at[:, i].set(r), out, result)
-            return cache, _as_last_tokens(result.tokens, prev), out
-
-        rows = md.page_table.shape[0]
-        out = jax.tree.map(lambda x: jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype),
-                           jax.eval_shape(lambda: sample(jnp.zeros((rows, self.config.vocab_size)), sb,
-                                                         greedy_only=True, num_logprobs=num_logprobs)))
-        cache, last, out = jax.lax.fori_loop(0, num_steps, one, (cache, prev_tokens, out))
-        return out, cache, last
-
-    def _forward_tokens(self, weights, cache, prev_tokens, tokens, positions, md):
-        tokens = jnp.where(tokens < 0, prev_tokens[-tokens - 1], tokens)  # -1 - row: sampled by the last step
-        return forward(weights, tokens, positions, cache, md, self.config, self._ops)
-
-    def _forward_fn(self, weights, cache, prev_tokens, inputs, *, packing):
-        tokens, positions, md = unpack_inputs(inputs, packing)
-        log.info("compiling forward: tokens=%d seqs=%d pages=%d decode_only=%s", tokens.shape[0],
-                 md.page_table.shape[0], md.page_table.shape[1], md.decode_only)
-        return self._forward_tokens(weights, cache, prev_tokens, tokens, positions, md)
-
-    def _sample_fn(self, logits, prev_tokens, inputs, *, packing, greedy_only, num_logprobs, penalties):
-        sb, bitmask = unpack_inputs(inputs, packing)
-        result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties,
-                        bitmask=bitmask)
-        return result, _as_last_tokens(result.tokens, prev_tokens)
+        self.swapper = Swapper(sharding.cache_sharding(mesh, cache.quantized) if mesh is not None else None)
+        fns = step_functions(mesh, cache.quantized)
+        self._step, self._multi, self._forward, self._sample = fns.step, fns.multi, fns.forward, fns.sample
 
     # ------------------------------------------------------------------------------- running
 

@@ -80,8 +80,8 @@ def plan(model: str, tensor_parallel: int, dtype_name: str, num_pages: int, page
     x = runner.inputs.placeholder((t, s, p), decode_only=False)
     inputs, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))
     t0 = time.perf_counter()
-    lowered = runner._step.lower(weights, cache, runner.last_tokens, inputs, packing=packing, greedy_only=True,
-                                 num_logprobs=None, penalties=False)
+    lowered = runner._step.lower(weights, cache, runner.last_tokens, inputs, spec=runner.compiler.spec,
+                                 packing=packing, greedy_only=True, num_logprobs=None, penalties=False)
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()

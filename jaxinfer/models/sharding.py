@@ -389,8 +389,11 @@ def _cache_out(names: tuple[str, ...], args: tuple, kwargs: dict) -> KVCache:
     return _cache_spec((dict(zip(names, args)) | kwargs)["cache"].quantized)
 
 
+@functools.cache
 def sharded_ops(ops: Ops, config: ModelConfig, mesh: Mesh) -> Ops:
-    """``ops`` run per device on its heads (attention), hidden slice (MLP) or experts (MoE)."""
+    """``ops`` run per device on its heads (attention), hidden slice (MLP) or experts (MoE). Made once
+    per (ops, config, mesh): the same object, so engines over one mesh share their compiled steps
+    (``batching.model_runner.StepSpec``)."""
     tp = mesh.shape[TP]
     h_local, kv_local = config.num_heads // tp, kv_heads(config, tp) // tp
     out_heads = P(None, TP, None)
