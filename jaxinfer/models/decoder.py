@@ -14,6 +14,7 @@ weights, so no layer loses its own window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -148,7 +149,14 @@ def first_token_layer(config: ModelConfig, lw: dict, layer: int, x: jax.Array) -
     attention output and dense MLP fed to ``wo``, ``w_gate_up`` (normalized, before the norm's gain)
     and ``w_down``, by name (MoE experts: not recorded). The loaders follow the first token through
     the model, layer by layer as it loads, to find the attention sink's massive activations that
-    quantized weights must keep (``models.weights``)."""
+    quantized weights must keep (``models.weights``). Compiled once for all layers of one shape: run
+    op by op it compiled each operation, and the attention's loop once per layer (SmolLM2: 17 s)."""
+    return _first_token_layer(config, lw, jnp.asarray(x, jnp.float32), layer_rope_frequencies(config)[layer],
+                              window=config.layer_window(layer))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "window"))
+def _first_token_layer(config: ModelConfig, lw: dict, x: jax.Array, inv_freq: jax.Array, window) -> tuple:
     inputs, ops = {}, Ops()
 
     def attention(*args, **kwargs):
@@ -165,7 +173,6 @@ def first_token_layer(config: ModelConfig, lw: dict, layer: int, x: jax.Array) -
     zero = jnp.zeros((1,), jnp.int32)
     md = BatchMetadata(slot_mapping=zero, page_table=zero[None], seq_lens=zero + 1,
                        query_start=jnp.asarray([0, 1], jnp.int32), logits_indices=zero)
-    inv_freq = layer_rope_frequencies(config)[layer]
-    y, _, _ = _layer(config, dataclasses.replace(ops, attention=attention, mlp=mlp), jnp.asarray(x, jnp.float32)[None],
-                     lw, 0, cache, zero, md, inv_freq, config.layer_window(layer))
+    y, _, _ = _layer(config, dataclasses.replace(ops, attention=attention, mlp=mlp), x[None], lw, 0, cache, zero, md,
+                     inv_freq, window)
     return y[0], inputs
