@@ -33,7 +33,7 @@ SERVE = [sys.executable, "-m", "jaxinfer", "serve"]  # the server's entry point,
 MODEL = "smollm2-135m"
 SMOLLM2_ARGS = ["--max_num_seqs=8", "--max_num_batched_tokens=64", "--max_model_len=512", "--token_buckets=8,64",
                 "--seq_buckets=8", "--page_buckets=8,32", "--max_waiting=64", "--max_request_bytes=65536",
-                "--chat_template=jaxinfer/server/templates/smollm2_tools.jinja"]
+                "--chat_template=jaxinfer/server/templates/smollm2_tools.jinja", "--allowed_origins=https://app.example"]
 TINY_ARGS = ["--model=tiny-llama3", "--load_format=dummy", "--max_num_seqs=1", "--max_num_batched_tokens=16",
              "--max_model_len=256", "--max_waiting=1", "--api_key=sekret", "--shutdown_timeout=20"]
 
@@ -541,6 +541,45 @@ def test_guided_fields_on_completions(client):
 
 
 # ------------------------------------------------------------------------------- routes and docs
+
+
+def test_tokenize_and_detokenize(server, client, smollm2_tokenizer):
+    """vLLM's shapes: a prompt's ids are the tokenizer's, messages' are as many as a chat request's prompt
+    (its usage says), and /detokenize gives the text back; bad bodies are 400s naming the field."""
+    text = "Hello world, café: ünïcode and 12345."
+    r = post(server.url, "/tokenize", {"prompt": text})
+    assert r.status_code == 200, r.text
+    tok = r.json()
+    assert tok["tokens"] == smollm2_tokenizer.encode(text) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 512
+    back = post(server.url, "/detokenize", {"tokens": tok["tokens"], "model": MODEL})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    chat = post(server.url, "/tokenize", {"messages": CHAT}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens == len(chat["tokens"])
+    assert post(server.url, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"].endswith("assistant\n")
+    for path, body, status, param in (("/tokenize", {"prompt": text, "messages": CHAT}, 400, "prompt"),
+                                      ("/tokenize", {}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": text, "model": "other"}, 404, "model"),
+                                      ("/detokenize", {"tokens": [smollm2_tokenizer.vocab_size + 5]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "12"}, 400, "tokens")):
+        r = post(server.url, path, body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+def test_cors_allows_only_the_allowed_origins(server):
+    """--allowed_origins: a browser's preflight from an allowed origin passes, from another fails, and
+    the allowed origin's requests carry the header that lets its page read the answer."""
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": "https://app.example", **ask})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in ok.headers["access-control-allow-methods"]
+    bad = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": "https://evil.example", **ask})
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    r = post(server.url, "/tokenize", {"prompt": "hi"}, headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = post(server.url, "/tokenize", {"prompt": "hi"}, headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
 
 
 def _openai_error_shape(response) -> None:

@@ -44,6 +44,8 @@ flags.DEFINE_boolean("metrics_public", False, "Serve /metrics without the API ke
 flags.DEFINE_list("allowed_hosts", None, "Host names (any port) requests may carry in their Host header, '*' for "
                   "any; others are answered 421, which defeats DNS rebinding. Default: bound to a loopback address, "
                   "only localhost, 127.0.0.1 and [::1]; else any.")
+flags.DEFINE_list("allowed_origins", [], "Web origins (e.g. https://app.example, or '*') whose pages may call the "
+                  "server from a browser (CORS). Default: none, so browsers refuse every cross-origin call.")
 flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request body accepted (else 413).")
 flags.DEFINE_float("timeout_headers", 10.0, "Seconds a client may take to send a request's headers, from their first "
                    "byte (else 408 and the connection is closed).")
@@ -91,7 +93,8 @@ def main(argv):
                            chat_template=chat_template, tool_call_parser=F.tool_call_parser,
                            request_timeout=F.request_timeout, body_timeout=F.timeout_body,
                            max_concurrent_requests=F.max_concurrent_requests,
-                           allowed_hosts=allowed_hosts(F.host, F.allowed_hosts), metrics_public=F.metrics_public))
+                           allowed_hosts=allowed_hosts(F.host, F.allowed_hosts), metrics_public=F.metrics_public,
+                           allowed_origins=tuple(F.allowed_origins)))
 
 
 def serve(sock: socket.socket, model: str, config, *, distributed, max_waiting: int, warmup_structured: bool,

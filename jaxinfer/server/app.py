@@ -24,6 +24,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
@@ -34,14 +35,16 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.metrics import CONTENT_TYPE
 from jaxinfer.server.protocol import (MAX_TOKEN_ID, APIError, ChatCompletionRequest, ChatCompletionResponse,
-                                      CompletionRequest, CompletionResponse, ErrorResponse, HealthResponse, ModelList,
+                                      CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                      ErrorResponse, HealthResponse, ModelList, TokenizeRequest, TokenizeResponse,
                                       VersionResponse, parse)
 from jaxinfer.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
 
 
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 _ANY_ERRORS = (421, 500)  # any route: a Host that is not allowed, an internal error
 _METERED_ERRORS = (*_ANY_ERRORS, 503)  # and past the concurrency limit
 _POST_ERRORS = (*_METERED_ERRORS, 400, 401, 404, 408, 413, 415, 504)
@@ -62,14 +65,18 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                max_request_bytes: int = 1 << 20, shutdown_timeout: float = 30.0, chat_template: str | None = None,
                tool_call_parser: str | None = None, request_timeout: float | None = None,
                body_timeout: float = 30.0, max_concurrent_requests: int = 1024,
-               allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False) -> FastAPI:
+               allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """An app that starts ``engine``'s core process on startup and stops it on shutdown.
 
     ``chat_template`` (jinja text) replaces the model's; ``tool_call_parser`` overrides the parser of
     ``tool_choice: "auto"`` replies (see tool_parsers.PARSERS); ``request_timeout``: seconds a request
     may take before it is aborted (504); ``body_timeout``: seconds to receive a request body (408);
     ``max_concurrent_requests``: requests handled at once (beyond: 503); ``allowed_hosts``: the names
-    (any port) the ``Host`` header may carry, None for any; ``metrics_public``: /metrics without the key."""
+    (any port) the ``Host`` header may carry, None for any; ``metrics_public``: /metrics without the key;
+    ``allowed_origins``: the web origins (``https://app.example``, or ``*``) whose pages may call the
+    server from a browser (CORS, Starlette's middleware: a preflight from another origin gets a 400 and
+    no ``Access-Control-Allow-Origin``); none by default, as a browser then refuses them all."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -79,6 +86,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             log.warning("the engine core did not stop within %.0fs", shutdown_timeout)
 
     app = FastAPI(title="jaxinfer", summary="An OpenAI-compatible LLM server", lifespan=lifespan, redoc_url=None)
+    if allowed_origins:  # added first, so it runs inside _Edge: its answers carry a request id too
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
     app.add_middleware(_Edge, allowed_hosts=allowed_hosts, max_concurrent=max_concurrent_requests)
     serving = OpenAIServing(engine, served_model_name, chat_template=chat_template,
                             tool_call_parser=tool_call_parser, request_timeout=request_timeout)
@@ -150,6 +160,18 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         authorize(request)
         return await serving.chat(parse(ChatCompletionRequest, await body(request)), request)
 
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(*_POST_ERRORS)})
+    async def tokenize(request: Request):
+        authorize(request)
+        req = parse(TokenizeRequest, await body(request))
+        return await asyncio.to_thread(serving.tokenize, req)
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(*_POST_ERRORS)})
+    async def detokenize(request: Request):
+        authorize(request)
+        req = parse(DetokenizeRequest, await body(request))
+        return await asyncio.to_thread(serving.detokenize, req)
+
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(*_METERED_ERRORS, 401)})
     async def models(request: Request):
         authorize(request)
@@ -196,14 +218,15 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             properties = defs["$defs"][model.__name__]["properties"]
             properties["model"] = {"anyOf": [{"enum": [served_model_name]}, {"type": "null"}], "default": None,
                                    "title": "Model"}
-            if engine.scheduling_policy != "priority":  # any other value is refused (check_supported)
+            if engine.scheduling_policy != "priority" and "priority" in properties:  # else refused (check_supported)
                 properties["priority"] = {**properties["priority"], "minimum": 0, "maximum": 0}
             if engine.ready.is_set():
                 for name in ("max_tokens", "max_completion_tokens"):
                     if name in properties:
                         properties[name]["anyOf"][0]["maximum"] = engine.max_model_len - 1
-                if "prompt" in properties:
-                    _set_maximum(properties["prompt"], MAX_TOKEN_ID, engine.vocab_size - 1)
+                for name in ("prompt", "tokens"):
+                    if name in properties:
+                        _set_maximum(properties[name], MAX_TOKEN_ID, engine.vocab_size - 1)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         for path, model in _BODIES.items():
             schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {

@@ -170,7 +170,7 @@ class AsyncEngine:
     def encode(self, prompt) -> list[int]:
         return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if self.failed:
@@ -184,7 +184,7 @@ class AsyncEngine:
         """Take ``count`` sub-request slots for a request about to be prepared, or raise at once: 400
         if it could never fit (``param`` names the field that made it big), 503 if there is no room
         now. Every admission ends in ``submit`` (then ``release``) or ``cancel``."""
-        self._check_serving()
+        self.check_serving()
         holds = (f"the server holds {self.capacity} sequences: max_num_seqs={self.max_running} running + "
                  f"max_waiting={self.max_waiting} waiting")
         if count > self.capacity:
@@ -203,7 +203,7 @@ class AsyncEngine:
                priority: int = 0, deadline: float | None = None, timeout_error: APIError | None = None) -> Submission:
         """Queue one sub-request per (prompt, params) pair, each with ``priority``, on slots ``admit`` took.
         At ``deadline`` (``time.monotonic()``) a submission not yet released fails with ``timeout_error``."""
-        self._check_serving()  # shutdown may have begun while the request was prepared
+        self.check_serving()  # shutdown may have begun while the request was prepared
         now = time.monotonic()
         choices = [_Choice(f"{prefix}-{next(self._ids)}", ids, now, p.logprobs is not None)
                    for ids, p in zip(prompts, params)]

@@ -413,3 +413,33 @@ class VersionResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: str
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: exactly one of ``prompt`` (text, encoded as a completion's is; with the
+    tokenizer's special tokens unless ``add_special_tokens`` is false) and ``messages`` (rendered with
+    the chat template and encoded as a chat request's prompt is, ending in the assistant's header)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
+    model: str | None = None
+    prompt: str = Field(None, json_schema_extra={"type": "string"})
+    messages: list[ChatMessage] = Field(None, min_length=1, json_schema_extra={"type": "array", **_SOME_TEXT})
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``: token ids (each below the vocabulary size) back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

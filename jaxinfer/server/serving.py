@@ -28,8 +28,9 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
 from jaxinfer.server.constraints import ToolPlan, request_constraint, tool_plan
-from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, chat_text,
-                                      check_supported, sampling_params, shown)
+from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest, chat_text, check_supported, sampling_params,
+                                      shown)
 from jaxinfer.tokenizer import apply_chat_template
 
 
@@ -110,6 +111,48 @@ class OpenAIServing:
                                                                       str(tokenizer.chat_template or ""))
         return job, _ChatRenderer(self, req, plan, parser)
 
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """``/tokenize`` (run off the event loop): the ids a completion's ``prompt`` or a chat's
+        ``messages`` become, as ``prepare_completion`` / ``prepare_chat`` encode them."""
+        self._check_ready(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        tokenizer = self._tokenizer("messages" if req.prompt is None else "prompt")
+        if req.messages is not None:
+            messages = [_message(m) for m in req.messages]
+            if not any(m["content"] or m.get("tool_calls") for m in messages):
+                raise APIError(400, "messages must contain some text", param="messages")
+            ids = self._render(messages, None)
+        else:
+            ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """``/detokenize`` (run off the event loop): the text of ``tokens``, special tokens included."""
+        self._check_ready(req)
+        tokenizer = self._tokenizer("tokens")
+        bad = [t for t in req.tokens if t >= self.engine.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: id {bad[0]} is not below the vocabulary size {self.engine.vocab_size}",
+                           param="tokens", code="invalid_value")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    def _check_ready(self, req) -> None:
+        """A request naming another model is a 404; before the engine is ready (its tokenizer and
+        limits unknown) a 503, as for generation."""
+        self._check_model(req)
+        self.engine.check_serving()
+
+    def _check_model(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model {shown(req.model)} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _tokenizer(self, param: str):
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so text cannot be encoded or decoded here", param=param)
+        return self.engine.tokenizer
+
     def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
             return apply_chat_template(self.engine.tokenizer, messages, tools=tools, chat_template=self.chat_template)
@@ -118,9 +161,7 @@ class OpenAIServing:
                            param="messages") from None
 
     def _check_common(self, req) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"model {shown(req.model)} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self._check_model(req)
         check_supported(req, self.engine.scheduling_policy if req.priority else "fcfs")
 
     def _encode(self, prompt, param: str) -> list[int]:
