@@ -33,7 +33,8 @@ SERVE = [sys.executable, "-m", "jaxinfer", "serve"]  # the server's entry point,
 MODEL = "smollm2-135m"
 SMOLLM2_ARGS = ["--max_num_seqs=8", "--max_num_batched_tokens=64", "--max_model_len=512", "--token_buckets=8,64",
                 "--seq_buckets=8", "--page_buckets=8,32", "--max_waiting=64", "--max_request_bytes=65536",
-                "--chat_template=jaxinfer/server/templates/smollm2_tools.jinja", "--allowed_origins=https://app.example"]
+                "--chat_template=jaxinfer/server/templates/smollm2_tools.jinja",
+                "--allowed_origins=https://app.example"]
 TINY_ARGS = ["--model=tiny-llama3", "--load_format=dummy", "--max_num_seqs=1", "--max_num_batched_tokens=16",
              "--max_model_len=256", "--max_waiting=1", "--api_key=sekret", "--shutdown_timeout=20"]
 
@@ -560,6 +561,8 @@ def test_tokenize_and_detokenize(server, client, smollm2_tokenizer):
     assert post(server.url, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"].endswith("assistant\n")
     for path, body, status, param in (("/tokenize", {"prompt": text, "messages": CHAT}, 400, "prompt"),
                                       ("/tokenize", {}, 400, "prompt"),
+                                      ("/tokenize", {"messages": [{"role": "user", "content": ""}]}, 400,
+                                       "messages"),
                                       ("/tokenize", {"prompt": text, "model": "other"}, 404, "model"),
                                       ("/detokenize", {"tokens": [smollm2_tokenizer.vocab_size + 5]}, 400, "tokens"),
                                       ("/detokenize", {"tokens": "12"}, 400, "tokens")):

@@ -164,13 +164,13 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     async def tokenize(request: Request):
         authorize(request)
         req = parse(TokenizeRequest, await body(request))
-        return await asyncio.to_thread(serving.tokenize, req)
+        return await serving.tokenize(req)
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(*_POST_ERRORS)})
     async def detokenize(request: Request):
         authorize(request)
         req = parse(DetokenizeRequest, await body(request))
-        return await asyncio.to_thread(serving.detokenize, req)
+        return await serving.detokenize(req)
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(*_METERED_ERRORS, 401)})
     async def models(request: Request):
@@ -218,7 +218,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             properties = defs["$defs"][model.__name__]["properties"]
             properties["model"] = {"anyOf": [{"enum": [served_model_name]}, {"type": "null"}], "default": None,
                                    "title": "Model"}
-            if engine.scheduling_policy != "priority" and "priority" in properties:  # else refused (check_supported)
+            if engine.scheduling_policy != "priority" and "priority" in properties:  # not 0: refused (check_supported)
                 properties["priority"] = {**properties["priority"], "minimum": 0, "maximum": 0}
             if engine.ready.is_set():
                 for name in ("max_tokens", "max_completion_tokens"):

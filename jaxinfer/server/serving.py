@@ -91,9 +91,7 @@ class OpenAIServing:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions with "
                                 "token ids", param="messages")
-        messages = [_message(m) for m in req.messages]
-        if not any(m["content"] or m.get("tool_calls") for m in messages):
-            raise APIError(400, "messages must contain some text", param="messages")
+        messages = _messages(req.messages)
         plan = tool_plan(req)
         ids = self._render(messages, plan.tools)
         if plan.tools and ids == self._render(messages, None):
@@ -111,24 +109,27 @@ class OpenAIServing:
                                                                       str(tokenizer.chat_template or ""))
         return job, _ChatRenderer(self, req, plan, parser)
 
-    def tokenize(self, req: TokenizeRequest) -> dict:
-        """``/tokenize`` (run off the event loop): the ids a completion's ``prompt`` or a chat's
-        ``messages`` become, as ``prepare_completion`` / ``prepare_chat`` encode them."""
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, self._tokenize, req)
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, self._detokenize, req)
+
+    def _tokenize(self, req: TokenizeRequest) -> dict:
+        """``/tokenize``, on the preparation threads as generation's encoding is: the ids a completion's
+        ``prompt`` or a chat's ``messages`` become, as ``prepare_completion`` / ``prepare_chat`` encode them."""
         self._check_ready(req)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         tokenizer = self._tokenizer("messages" if req.prompt is None else "prompt")
         if req.messages is not None:
-            messages = [_message(m) for m in req.messages]
-            if not any(m["content"] or m.get("tool_calls") for m in messages):
-                raise APIError(400, "messages must contain some text", param="messages")
-            ids = self._render(messages, None)
+            ids = self._render(_messages(req.messages), None)
         else:
             ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
-    def detokenize(self, req: DetokenizeRequest) -> dict:
-        """``/detokenize`` (run off the event loop): the text of ``tokens``, special tokens included."""
+    def _detokenize(self, req: DetokenizeRequest) -> dict:
+        """``/detokenize``, on the preparation threads: the text of ``tokens``, special tokens included."""
         self._check_ready(req)
         tokenizer = self._tokenizer("tokens")
         bad = [t for t in req.tokens if t >= self.engine.vocab_size]
@@ -316,6 +317,14 @@ def _usage(job: _Job, finals) -> dict:
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(len(o.token_ids) for o in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _messages(messages: list[ChatMessage]) -> list[dict]:
+    """A request's messages as the chat template takes them; a 400 if none carries any text."""
+    out = [_message(m) for m in messages]
+    if not any(m["content"] or m.get("tool_calls") for m in out):
+        raise APIError(400, "messages must contain some text", param="messages")
+    return out
 
 
 def _message(m: ChatMessage) -> dict:
