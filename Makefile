@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Two workers, each taking whole test files (module fixtures run once), the longest first (tests/conftest.py):
-# a fresh clone (nothing compiled yet) measured 24 min of pytest on the project's 2-core machine (2026-12-07);
+# a fresh clone (nothing compiled yet) measured 25 min of pytest on the project's 2-core machine (2026-12-07);
 # TEST_WORKERS=0 runs them in one process. --durations lists the slowest tests after every run.
 TEST_WORKERS ?= 2
 
