@@ -27,6 +27,13 @@ _CHOICES = {
 class EngineConfig:
     """What a user of vLLM would pass to ``LLM(...)``; ``None`` means "derive a default".
 
+    - ``revision``, ``download_dir``, ``gguf_file`` (vLLM's): where a model named by Hugging Face Hub
+      id (``org/name``) comes from: its branch, tag or commit (default ``main``); the cache directory
+      it is fetched into or found in (default ``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
+      ``~/.cache/huggingface/hub``); the one ``.gguf`` file of the repo (or of a local directory) to
+      load, as ``org/name:file.gguf`` does. ``HF_HUB_OFFLINE=1`` reads only the cache, ``HF_TOKEN``
+      opens gated and private repos (``models.weights.hub``). ``speculative_model`` is fetched into
+      the same ``download_dir``, at its ``main``.
     - ``num_pages``: KV pool size; by default sized from ``kv_cache_memory_fraction`` of device
       memory on accelerators, and to hold ``max_num_seqs`` full-length sequences (at most
       ``cpu_kv_cache_gib``) on CPU.
@@ -115,6 +122,9 @@ class EngineConfig:
     speculative_max_num_seqs: int = 16
     speculative_overlap: bool | None = None
     num_scheduler_steps: int | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
@@ -124,6 +134,10 @@ class EngineConfig:
                      "data_parallel"):
             _positive(name, getattr(self, name))
         _check_speculative(self)
+        for name in ("revision", "download_dir", "gguf_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
         for name in ("num_pages", "prefill_chunk_size", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -142,6 +156,11 @@ class EngineConfig:
                 if not value or any(not isinstance(v, int) or v < 1 for v in value):
                     raise ValueError(f"{name} must be positive integers, got {value!r}")
                 object.__setattr__(self, name, value)
+
+    def model_location(self) -> dict:
+        """``resolve_model``'s keywords for the model these options load (not the draft model, which
+        takes only ``download_dir``)."""
+        return dict(revision=self.revision, download_dir=self.download_dir, gguf_file=self.gguf_file)
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":

@@ -28,7 +28,8 @@ from jaxinfer.batching.speculative import DraftProposer, NgramProposer, check_dr
 from jaxinfer.batching.structured import Matchers
 from jaxinfer.models import sharding
 from jaxinfer.models.spec import cpu_matmul_layout, num_params
-from jaxinfer.models.weights import load_config, load_model, resolve_model, saved_quantization
+from jaxinfer.models.weights import (ModelSource, check_has_weights, load_config, load_model, resolve_model,
+                                     saved_quantization)
 from jaxinfer.paged.kv_cache import KVCache
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -43,28 +44,35 @@ def create_engine(model: str, config: EngineConfig | None = None) -> LLMEngine |
     return build_engine(model, config)
 
 
-def model_facts(model: str) -> ModelFacts:
-    source = resolve_model(model)
+def model_facts(model: str, source: ModelSource) -> ModelFacts:
     return ModelFacts(model, load_config(source), source.kind, saved_quantization(source))
 
 
 def build_engine(model: str, config: EngineConfig, replica: int = 0) -> LLMEngine:
     """One engine replica: row ``replica`` of the ``data_parallel x tensor_parallel`` mesh."""
-    facts = model_facts(model)
+    # Resolved once (a Hub id is fetched here), so the config, weights and tokenizer come from one snapshot.
+    source = resolve_model(model, **config.model_location())
+    check_has_weights(source, config.load_format)  # before any work: a preset names only shapes
+    facts = model_facts(model, source)
     mesh = sharding.replica_mesh(facts.config, config.tensor_parallel, config.data_parallel, replica)
     devices = jax.devices()[:1] if mesh is None else mesh.local_devices
-    draft = model_facts(config.speculative_model) if config.speculative_method == "draft" else None
+    draft_source = draft = None
+    if config.speculative_method == "draft":
+        draft_source = resolve_model(config.speculative_model, download_dir=config.download_dir)
+        check_has_weights(draft_source, config.load_format)
+        draft = model_facts(config.speculative_model, draft_source)
     resolved = resolve(config, facts, DeviceFacts.gather(devices), draft)
-    return _build(resolved, config, mesh, devices)
+    return _build(resolved, source, config, mesh, devices, draft_source)
 
 
-def _build(resolved: ResolvedConfig, config: EngineConfig, mesh, devices) -> LLMEngine:
+def _build(resolved: ResolvedConfig, source: ModelSource, config: EngineConfig, mesh, devices,
+           draft_source: ModelSource | None = None) -> LLMEngine:
     _use_compilation_cache(resolved.compilation_cache_dir)
     backend = resolved.backend
     sources = backend.native_sources(resolved.attention_backend, resolved.quantization != "none", mesh is not None)
     native.prebuild(*sources)  # the native kernels this engine will call, built while the weights load
     t0 = time.perf_counter()
-    mc, weights = load_model(resolved.model, dtype=resolved.dtype, load_format=resolved.load_format,
+    mc, weights = load_model(source, dtype=resolved.dtype, load_format=resolved.load_format,
                              seed=resolved.seed, layer_loop=resolved.layer_loop, mesh=mesh,
                              quantization=resolved.quantization)
     if backend.platform == "cpu" and mesh is None:
@@ -72,7 +80,7 @@ def _build(resolved: ResolvedConfig, config: EngineConfig, mesh, devices) -> LLM
     log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", resolved.model, resolved.dtype,
              resolved.quantization, num_params(mc) / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
              time.perf_counter() - t0)
-    tokenizer = load_tokenizer(resolve_model(resolved.model))
+    tokenizer = load_tokenizer(source)
     mc = mc.for_context(resolved.max_model_len)
     multi = jax.process_count() > 1
     resolved = size_kv_pool(resolved, mc, DeviceFacts.gather(devices), config.kv_cache_memory_fraction,
@@ -109,7 +117,7 @@ def _build(resolved: ResolvedConfig, config: EngineConfig, mesh, devices) -> LLM
         if spec.method == "ngram":
             engine.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
         else:
-            draft = _build(spec.draft, config, None, jax.devices()[:1])
+            draft = _build(spec.draft, draft_source, config, None, jax.devices()[:1])
             check_draft(engine, draft)
             engine.proposer = DraftProposer(draft)
     log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", resolved.num_pages,

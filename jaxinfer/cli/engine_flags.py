@@ -51,7 +51,7 @@ NAMES = ("model", "load_format", "dtype", "quantization", "kv_cache_dtype", "com
          "max_num_batched_tokens", "max_model_len", "page_size", "num_pages", "kv_cache_memory_fraction",
          "enable_prefix_caching", "scheduling_policy", "token_buckets", "seq_buckets", "page_buckets", "tensor_parallel", "data_parallel",
          "speculative_method", "speculative_model", "num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_num_seqs",
-         "speculative_overlap", "num_scheduler_steps")
+         "speculative_overlap", "num_scheduler_steps", "revision", "download_dir", "gguf_file")
 
 
 def buckets(values: list[str] | None) -> tuple[int, ...] | None:

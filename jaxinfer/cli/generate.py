@@ -44,6 +44,7 @@ def main(argv):
         from jaxinfer.batching.config import EngineConfig
         from jaxinfer.batching.factory import run_follower
         return run_follower(F.model, EngineConfig.from_options(**options))
+    model_flags.fetch_model("jaxinfer generate", F.model)  # a Hub id fetched now; a bad model in one line
     t0 = time.perf_counter()
     llm = LLM(F.model, **options)
     print(f"[loaded {F.model} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)

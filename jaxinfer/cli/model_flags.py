@@ -5,12 +5,21 @@ so that its ``--help`` lists them. It imports no JAX (the choices come from ``ja
 
 from __future__ import annotations
 
+import sys
+
 from absl import flags
 
 from jaxinfer.formats import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 
-flags.DEFINE_string("model", "smollm2-135m", "Preset name (e.g. llama3-8b), local Hugging Face directory, "
-                    "or .gguf file.")
+flags.DEFINE_string("model", "smollm2-135m", "Hugging Face Hub id (org/name, or org/name:file.gguf for one GGUF "
+                    "file of a repo; fetched into the Hugging Face cache, HF_HUB_OFFLINE=1: the cache only, "
+                    "HF_TOKEN: gated and private repos), local Hugging Face directory, .gguf file, or preset name "
+                    "(e.g. llama3-8b, shapes only: with --load_format dummy).")
+flags.DEFINE_string("revision", None, "Branch, tag or commit of a Hub id's repo (default: main).")
+flags.DEFINE_string("download_dir", None, "Cache directory Hub ids are fetched into and found in (default: "
+                    "$HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub).")
+flags.DEFINE_string("gguf_file", None, "The .gguf file to load of a Hub repo or local directory (as "
+                    "org/name:file.gguf).")
 flags.DEFINE_enum("load_format", "auto", LOAD_FORMATS, "'auto' reads the weights; 'dummy' uses random "
                   "ones of the same shapes.")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Weights and KV cache dtype (auto: "
@@ -40,7 +49,41 @@ def load_options() -> dict:
     """The engine options that choose how the weights are loaded."""
     f = flags.FLAGS
     return dict(load_format=f.load_format, dtype=f.dtype, quantization=f.quantization,
-                kv_cache_dtype=f.kv_cache_dtype, compilation_cache_dir=f.compilation_cache_dir)
+                kv_cache_dtype=f.kv_cache_dtype, compilation_cache_dir=f.compilation_cache_dir,
+                revision=f.revision, download_dir=f.download_dir, gguf_file=f.gguf_file)
+
+
+def model_argument(prog: str, args: list[str]) -> str:
+    """The model to load: the one positional argument (``jaxinfer serve org/name``, as ``vllm serve``)
+    or ``--model``; exits with one line if they disagree or there are several."""
+    f = flags.FLAGS
+    return choose_model(prog, args, f.model, f["model"].present > 0)
+
+
+def choose_model(prog: str, args: list[str], flag: str, flag_given: bool) -> str:
+    """``model_argument`` of positional ``args`` and the ``--model`` value ``flag`` (``flag_given``:
+    set on the command line, not its default)."""
+    if len(args) > 1:
+        sys.exit(f"{prog}: give one model, got {len(args)} positional arguments: {' '.join(args)}")
+    if not args:
+        return flag
+    if flag_given and args[0] != flag:
+        sys.exit(f"{prog}: two models given, {args[0]!r} and --model={flag!r}: give one")
+    return args[0]
+
+
+def fetch_model(prog: str, model: str) -> None:
+    """Resolve ``model`` as the engine will, before anything else loads: a Hub id is fetched into the
+    Hugging Face cache now (with its progress bars), so the engine finds it there; a model that cannot
+    be loaded exits with the one line that says why."""
+    from jaxinfer.models.weights import check_has_weights, resolve_model
+
+    f = flags.FLAGS
+    try:
+        source = resolve_model(model, revision=f.revision, download_dir=f.download_dir, gguf_file=f.gguf_file)
+        check_has_weights(source, f.load_format)
+    except ValueError as e:
+        sys.exit(f"{prog}: {e}")
 
 
 def parallel_options() -> dict:

@@ -2,6 +2,7 @@
 /openapi.json and /docs.
 
     jaxinfer serve                                        # smollm2-135m on 127.0.0.1:8000
+    jaxinfer serve Qwen/Qwen2.5-0.5B-Instruct             # a Hugging Face Hub id, fetched into its cache
     jaxinfer serve --model /path/to/llama --max_num_seqs 64 --max_model_len 4096
     jaxinfer serve --model /path/to/llama-70b --tensor_parallel 8      # one host, 8 devices
 
@@ -27,7 +28,8 @@ from jaxinfer.cli import engine_flags, model_flags
 
 flags.adopt_module_key_flags(model_flags)
 flags.adopt_module_key_flags(engine_flags)
-flags.DEFINE_string("served_model_name", None, "Model id clients send and /v1/models lists (default: --model).")
+flags.DEFINE_string("served_model_name", None, "Model id clients send and /v1/models lists (default: the model "
+                    "as given).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_integer("max_waiting", 128, "Sequences (prompts x n) admitted beyond the --max_num_seqs running ones; "
@@ -70,8 +72,9 @@ SHUTDOWN_GRACE = 5.0
 
 
 def main(argv):
-    """The flags, read once into ``serve``'s arguments; the port is bound before anything loads."""
-    del argv
+    """The flags, read once into ``serve``'s arguments; the port is bound before anything loads. The
+    model is ``--model`` or the one positional argument (``jaxinfer serve org/name``, as ``vllm serve``)."""
+    model = model_flags.model_argument("jaxinfer serve", argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serving = F.coordinator_address is None or F.process_id == 0
     sock = listening_socket(F.host, F.port) if serving else None
@@ -81,14 +84,15 @@ def main(argv):
     if not serving:  # run process 0's steps, serve no HTTP
         from jaxinfer.batching.factory import run_follower
         model_flags.init_distributed()
-        return run_follower(F.model, config)
+        return run_follower(model, config)
     # Process 0 of several joins the run in its engine core, the process that touches devices.
     distributed = (F.coordinator_address, F.num_processes, F.process_id) if F.coordinator_address else None
-    serve(sock, F.model, config, distributed=distributed, max_waiting=F.max_waiting,
+    model_flags.fetch_model("jaxinfer serve", model)  # a Hub id fetched once, here; a bad model in one line
+    serve(sock, model, config, distributed=distributed, max_waiting=F.max_waiting,
           warmup_structured=F.warmup_structured, shutdown_timeout=F.shutdown_timeout,
           timeout_keep_alive=F.timeout_keep_alive, timeout_headers=F.timeout_headers,
           log_address=f"http://{F.host}:{F.port}",
-          app_options=dict(served_model_name=F.served_model_name or F.model, api_key=key,
+          app_options=dict(served_model_name=F.served_model_name or model, api_key=key,
                            max_request_bytes=F.max_request_bytes, shutdown_timeout=F.shutdown_timeout,
                            chat_template=chat_template, tool_call_parser=F.tool_call_parser,
                            request_timeout=F.request_timeout, body_timeout=F.timeout_body,

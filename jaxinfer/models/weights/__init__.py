@@ -1,8 +1,9 @@
 """Model loading: a model id resolved to its source, its config, and its weights, from whichever
 format the source is, one module each:
 
-- ``source``: a preset name or path -> ``ModelSource``; ``ModelFileError``, the one error of a
-  model file that cannot be read (``"<path>: <cause>"``);
+- ``source``: a preset name, path or Hugging Face Hub id -> ``ModelSource``; ``ModelFileError``,
+  the one error of a model file that cannot be read (``"<path>: <cause>"``);
+- ``hub``: a Hub id fetched into (or found in) the Hugging Face cache;
 - ``gguf_file``: the GGUF file format (header, metadata, tensors; config from metadata), which the
   tokenizer reads too; ``gguf``: its tensors into weights, and what the user cache keeps of them;
 - ``hf``: Hugging Face ``config.json`` and ``*.safetensors``;
@@ -46,8 +47,8 @@ from jaxinfer.models.weights.hf import hf_config, load_hf
 from jaxinfer.models.weights.source import ModelFileError, ModelSource, resolve_model
 from jaxinfer.quant import check_device_supports, parse_scheme, quantize
 
-__all__ = ["LOAD_FORMATS", "QUANTIZATIONS", "ModelFileError", "ModelSource", "load_config", "load_model",
-           "resolve_model", "save_converted", "saved_quantization"]
+__all__ = ["LOAD_FORMATS", "QUANTIZATIONS", "ModelFileError", "ModelSource", "check_has_weights", "load_config",
+           "load_model", "resolve_model", "save_converted", "saved_quantization"]
 
 
 def load_config(source: ModelSource) -> ModelConfig:
@@ -61,10 +62,19 @@ def load_config(source: ModelSource) -> ModelConfig:
     return converted_config(source.path)
 
 
-def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: int = 0,
+def check_has_weights(source: ModelSource, load_format: str) -> None:
+    """Refuse, in one line, to read the weights of a preset (only its shapes are here), before any work."""
+    if source.kind == "preset" and load_format != "dummy":
+        raise ValueError(f"preset {source.preset!r} has no weights: use load_format='dummy' (--load_format dummy) "
+                         "or give a checkpoint (a Hugging Face Hub id org/name, a local Hugging Face directory or "
+                         "a .gguf file)")
+
+
+def load_model(model: str | ModelSource, *, dtype="float32", load_format: str = "auto", seed: int = 0,
                layer_loop: str | None = None, mesh: Mesh | None = None,
                quantization: str = "none") -> tuple[ModelConfig, Weights]:
-    """Resolve ``model`` and return its config and weights, cast to ``dtype`` (float leaves) and
+    """Resolve ``model`` (or take the ``ModelSource`` ``resolve_model`` made of it, e.g. of a Hub id
+    at a ``revision``) and return its config and weights, cast to ``dtype`` (float leaves) and
     arranged for ``layer_loop`` (default: the config's), split over ``mesh`` if given
     (``models.sharding``), quantized by ``quantization`` (one of ``QUANTIZATIONS``; see the module
     docstring). ``load_format="dummy"`` gives random weights of the right
@@ -76,7 +86,9 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
     check_device_supports(quantization)
     scheme = quantization if quantization in SCHEMES else None
     dtype = _float_dtype(dtype)
-    source = resolve_model(model)
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    model = model if isinstance(model, str) else source.preset or source.path
+    check_has_weights(source, load_format)
     saved = saved_quantization(source)
     if saved != "none" and load_format != "dummy" and not _same_quantization(saved, quantization):
         raise ValueError(f"{model!r} holds weights quantized as {saved!r} (jaxinfer convert); load it "
@@ -94,9 +106,6 @@ def load_model(model: str, *, dtype="float32", load_format: str = "auto", seed: 
         finish = None if scheme is None else (lambda s, x: quantize(x, scheme) if s.quantizable else x)
         weights = init_dummy_weights(config, jax.random.key(seed), dtype, finish)
         return config, weights if mesh is None else sharding.place_weights(weights, config, mesh)
-    if source.kind == "preset":
-        raise ValueError(f"preset {model!r} has no weights here: pass a local Hugging Face directory "
-                         "(config.json + *.safetensors) or load_format='dummy'")
     if source.kind == "orbax":  # restored in the checkpoint's layout, then laid out per device on device
         # quantized weights (saved so, or made now) are restored whole on one device, then split: the
         # checkpoint's shardings are per plain array

@@ -1,8 +1,9 @@
-"""Where a model comes from: a preset name or a local path resolved to a ``ModelSource``, and the one
-error a model file that cannot be read raises (``ModelFileError``).
+"""Where a model comes from: a preset name, a local path or a Hugging Face Hub id resolved to a
+``ModelSource``, and the one error a model file that cannot be read raises (``ModelFileError``).
 
 Resolution looks only at names and which files exist, so a wrong path fails at once, before the
-loader spends seconds reading weights (dequantizing SmolLM2 alone: ~3 s on the 2-core CPU).
+loader spends seconds reading weights (dequantizing SmolLM2 alone: ~3 s on the 2-core CPU). A Hub id
+is first fetched into the Hugging Face cache (``hub``), then resolved as the local path it became.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 
 from jaxinfer.models.config import PRESETS
+from jaxinfer.models.weights import hub
 
 # A directory written by ``converted.save_converted`` holds this file (the ModelConfig, dtype and
 # quantization) and ``weights/``: its presence is what makes a directory an orbax source.
@@ -61,33 +63,56 @@ class ModelSource:
     preset: str | None = None
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Map a preset name or a local path to its source, failing early with what was expected."""
+def resolve_model(model: str, *, revision: str | None = None, download_dir: str | None = None,
+                  gguf_file: str | None = None) -> ModelSource:
+    """Map a preset name, a local path or a Hugging Face Hub id to its source, failing early with what
+    was expected. A Hub id (``org/name``, or ``org/name:file.gguf`` for one GGUF file of a repo; a
+    local path of that name wins) is fetched into the Hugging Face cache (``hub``: ``revision``,
+    ``download_dir`` for the cache, ``HF_HUB_OFFLINE``, ``HF_TOKEN``) and resolved as the local
+    directory or file it became. ``gguf_file``: the GGUF file to take from a Hub repo or local
+    directory (as vLLM's ``--gguf-file`` / ``org/name:file.gguf``)."""
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a preset name or a path, got {type(model).__name__}")
+        raise TypeError(f"model must be a preset name, a path or a Hugging Face Hub id, got {type(model).__name__}")
     model = os.fspath(model)
-    if model == "smollm2-135m":
-        return ModelSource("gguf", _packaged_smollm2(), model)
-    if model in PRESETS:
+    if model in PRESETS or model == "smollm2-135m":
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file names a file of a Hugging Face Hub repo or a local directory, not of "
+                             f"preset {model!r}")
+        if model == "smollm2-135m":
+            return ModelSource("gguf", _packaged_smollm2(), model)
         return ModelSource("preset", None, model)
     path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isdir(path) and gguf_file is not None:
+        path = os.path.join(path, gguf_file)
+        if not (os.path.isfile(path) and path.endswith(".gguf")):
+            raise ModelFileError(path, "no such .gguf file (gguf_file names one in the model directory)")
+    elif not os.path.exists(path) and hub.is_hub_id(model):
+        path = hub.download(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+    elif gguf_file is not None:
+        raise ValueError(f"gguf_file names a .gguf file of a Hugging Face Hub repo or a local directory; {model!r} "
+                         "is neither")
     if os.path.isfile(path) and path.endswith(".gguf"):
         return ModelSource("gguf", path)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, CONVERTED_CONFIG)):
-            return ModelSource("orbax", path)
-        config, has_weights = os.path.join(path, "config.json"), bool(glob.glob(os.path.join(path, "*.safetensors")))
-        if not os.path.isfile(config) and has_weights:
-            raise ModelFileError(config, "missing: a Hugging Face model directory needs it beside its *.safetensors")
-        if not os.path.isfile(config):
-            raise ModelFileError(path, "not a model directory: no config.json and *.safetensors (Hugging Face), "
-                                 f"no {CONVERTED_CONFIG} (jaxinfer convert)")
-        if not has_weights:
-            raise ModelFileError(path, "model directory has no *.safetensors weights")
-        return ModelSource("hf", path)
+        return ModelSource(_directory_kind(path), path)
     raise ValueError(f"unknown model {model!r}: expected a preset ({', '.join(PRESETS)}), a .gguf file, a "
-                     "Hugging Face directory with config.json and *.safetensors, or a directory written by "
-                     "jaxinfer convert")
+                     "Hugging Face directory with config.json and *.safetensors, a directory written by "
+                     "jaxinfer convert, or a Hugging Face Hub id (org/name, org/name:file.gguf)")
+
+
+def _directory_kind(path: str) -> str:
+    """``"orbax"`` (``jaxinfer convert``) or ``"hf"`` (config.json + *.safetensors) for a model directory."""
+    if os.path.isfile(os.path.join(path, CONVERTED_CONFIG)):
+        return "orbax"
+    config, has_weights = os.path.join(path, "config.json"), bool(glob.glob(os.path.join(path, "*.safetensors")))
+    if not os.path.isfile(config) and has_weights:
+        raise ModelFileError(config, "missing: a Hugging Face model directory needs it beside its *.safetensors")
+    if not os.path.isfile(config):
+        raise ModelFileError(path, "not a model directory: no config.json and *.safetensors (Hugging Face), "
+                             f"no {CONVERTED_CONFIG} (jaxinfer convert)")
+    if not has_weights:
+        raise ModelFileError(path, "model directory has no *.safetensors weights")
+    return "hf"
 
 
 def _packaged_smollm2() -> str:
