@@ -12,16 +12,20 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "LLM": "jaxinfer.llm",
     "generate": "jaxinfer.llm",
+    "EmbeddingOutput": "jaxinfer.embeddings",
+    "EmbeddingRequestOutput": "jaxinfer.embeddings",
     "LLMEngine": "jaxinfer.batching.engine",
     "RequestOutput": "jaxinfer.batching.outputs",
     "SamplingParams": "jaxinfer.sampling_params",
     "StructuredOutputs": "jaxinfer.sampling_params",
 }
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputs", "generate"]
+__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "LLM", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputs", "generate"]
 
 if TYPE_CHECKING:
     from jaxinfer.batching.engine import LLMEngine
+    from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
     from jaxinfer.batching.outputs import RequestOutput
     from jaxinfer.llm import LLM, generate
     from jaxinfer.sampling_params import SamplingParams, StructuredOutputs

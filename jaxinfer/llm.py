@@ -9,9 +9,11 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxinfer.batching.config import EngineConfig
+from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.factory import create_engine
 from jaxinfer.batching.outputs import RequestOutput
 from jaxinfer.batching.structured import compile_constraint
+from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list
 from jaxinfer.tokenizer import apply_chat_template
 
@@ -78,6 +80,21 @@ class LLM:
             raise ValueError("this model has no tokenizer (dummy weights), so chat is unavailable")
         prompts = [apply_chat_template(self.tokenizer, conv) for conv in convs]
         return self.generate(prompts, sampling_params, **kwargs)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
+              normalize: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in vLLM's shape (``out.outputs.embedding``, a list of floats): the
+        model's final hidden states (after the final norm, before the LM head) pooled over the prompt,
+        "last" (its last token's) or "mean" (over its tokens), then L2-normalized unless ``normalize``
+        is false. A prompt is text or token ids and may fill ``max_model_len`` (a longer one is a
+        ValueError). Runs at once, between the engine's steps (``LLMEngine.embed``); nothing is queued."""
+        prompts = _as_prompt_list(prompts)
+        mc = self.engine.model_config
+        ids = [encode_prompt(p, self.tokenizer, mc.vocab_size, self.engine.max_model_len, generate=False)
+               for p in prompts]  # validate all before computing any
+        vectors = self.engine.embed(ids, pooling, normalize)
+        return [EmbeddingRequestOutput(f"embd-{next(self._ids)}", EmbeddingOutput(v.tolist()), p)
+                for p, v in zip(ids, vectors)]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -8,7 +8,7 @@ the server can serve and "schema-valid data is accepted" can be checked.
 - A named ``tool_choice`` must name one of ``tools``, and ``auto`` / ``required`` need some: references
   between fields, which JSON Schema has no word for. Valid drawn requests are made to agree.
 - A request must fit the server (tests/fuzz_openapi.py's flags): its prompt plus ``max_tokens`` within
-  the context, its prompts x ``n`` within the sequences it holds. Tokens cannot be counted from the
+  the context (an embedding's every input within it), its prompts x ``n`` within the sequences it holds. Tokens cannot be counted from the
   schema, so valid drawn requests are kept only where a bound says they fit: a prompt's UTF-8 bytes
   (byte-level BPE: at most one token a byte), a chat's messages and tools as JSON plus the chat
   template's own tokens (SmolLM2's with tools: 154 for one short message and one tool).
@@ -119,12 +119,15 @@ def filter_case(ctx, case):
     for value in _constraint_texts(body):
         if any(_unwritable(text) for text in (value if isinstance(value, list) else [value])):
             return False
-    prompts = body.get("prompt") if isinstance(body.get("prompt"), list) else [body.get("prompt")]
-    if any(isinstance(p, str) and _unreadable(p) for p in prompts):
-        return False
+    for key in ("prompt", "input"):
+        prompts = body.get(key) if isinstance(body.get(key), list) else [body.get(key)]
+        if any(isinstance(p, str) and _unreadable(p) for p in prompts):
+            return False
     # The coverage phase draws plain strings (boundary lengths) for formats it does not know.
     generates = case.operation.path in ("/v1/completions", "/v1/chat/completions")  # /tokenize has no room to fit
-    return all(check(value) for value, check in _formatted(body)) and (not generates or _fits(body))
+    embeds = case.operation.path == "/v1/embeddings"
+    return all(check(value) for value, check in _formatted(body)) and (not generates or _fits(body)) and \
+        (not embeds or max(_sizes(body.get("input"))) <= MAX_MODEL_LEN)
 
 
 def _fits(body: dict) -> bool:
@@ -140,11 +143,15 @@ def _fits(body: dict) -> bool:
             size += len(json.dumps(tools, ensure_ascii=False).encode())
         prompts = [size]
     else:
-        prompt = body.get("prompt")
-        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str)
-        prompts = [len(p) if isinstance(p, list) else len(p.encode("utf-8", "surrogatepass"))
-                   for p in (prompt if many else [prompt])]
+        prompts = _sizes(body.get("prompt"))
     return max(prompts) + asked <= MAX_MODEL_LEN and len(prompts) * n <= MAX_NUM_SEQS + MAX_WAITING
+
+
+def _sizes(prompt) -> list[int]:
+    """Each prompt's tokens at most (a text's UTF-8 bytes), of a ``prompt`` or ``input`` field."""
+    many = isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str)
+    return [len(p) if isinstance(p, list) else len(p.encode("utf-8", "surrogatepass"))
+            for p in (prompt if many else [prompt])]
 
 
 def _mended_tools(body: dict):

@@ -47,10 +47,12 @@ FAMILIES = {
 }
 
 
-def save_random_hf(family: str, path) -> torch.nn.Module:
+def save_random_hf(family: str, path, spec: tuple[str, dict] | None = None) -> torch.nn.Module:
+    """A random model of ``family`` (``spec``: its config class name and fields over BASE, if not in FAMILIES)
+    saved as safetensors in ``path``."""
     import transformers
 
-    cls, fields = FAMILIES[family]
+    cls, fields = spec or FAMILIES[family]
     config = getattr(transformers, cls)(**{**BASE, **fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()

@@ -6,6 +6,7 @@ a tiny random model, which starts in seconds, answers auth, queue-full and SIGTE
 """
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -19,12 +20,16 @@ import types
 from typing import Literal
 
 import httpx
+import numpy as np
 import openai
 import pydantic
 import pytest
 
+from jaxinfer import LLM
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.constraints import ToolPlan, tool_call_schema
-from jaxinfer.server.protocol import APIError, ChatCompletionRequest, parse
+from jaxinfer.server.protocol import APIError, ChatCompletionRequest, EmbeddingRequest, parse
 from jaxinfer.server.serving import OpenAIServing
 from jaxinfer.tokenizer import apply_chat_template
 
@@ -570,6 +575,44 @@ def test_tokenize_and_detokenize(server, client, smollm2_tokenizer):
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+def test_embeddings(server, client, smollm2_tokenizer):
+    """/v1/embeddings in OpenAI's shape: one unit vector per input, in order, the prompt tokens counted as
+    /tokenize counts them; base64 (the OpenAI client's default) is the same float32 vectors; bad bodies
+    are 400s naming the field (another model: 404)."""
+    texts = ["The capital of France is Paris.", "Once upon a time"]
+    r = post(server.url, "/v1/embeddings", {"input": texts, "model": MODEL, "user": "ignored"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == MODEL
+    assert [(d["object"], d["index"]) for d in body["data"]] == [("embedding", 0), ("embedding", 1)]
+    vectors = np.array([d["embedding"] for d in body["data"]], np.float32)
+    assert vectors.shape == (2, 576) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    tokens = sum(post(server.url, "/tokenize", {"prompt": t}).json()["count"] for t in texts)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    b64 = post(server.url, "/v1/embeddings", {"input": texts, "encoding_format": "base64", "dimensions": 576}).json()
+    decoded = np.array([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in b64["data"]])
+    np.testing.assert_array_equal(decoded, vectors)
+    sdk = client.embeddings.create(model=MODEL, input=texts)
+    np.testing.assert_array_equal(np.array([d.embedding for d in sdk.data], np.float32), vectors)
+    for body, status, param in (({"input": ""}, 400, "input"), ({"input": []}, 400, "input"), ({}, 400, "input"),
+                                ({"input": [[1, 2], [smollm2_tokenizer.vocab_size + 5]]}, 400, "input"),
+                                ({"input": "word " * 600}, 400, "input"),
+                                ({"input": "hi", "dimensions": 8}, 400, "dimensions"),
+                                ({"input": "hi", "encoding_format": "hex"}, 400, "encoding_format"),
+                                ({"input": "hi", "model": "other"}, 404, "model")):
+        r = post(server.url, "/v1/embeddings", body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_embeddings_wait_for_the_engine():
+    """Before the engine is ready an embedding request is a 503 (another model's: a 404 first)."""
+    serving = OpenAIServing(AsyncEngine("tiny-llama3", EngineConfig(), max_waiting=1), "tiny")
+    for body, status in (({"input": "hi", "model": "other"}, 404), ({"input": [1, 2]}, 503)):
+        with pytest.raises(APIError) as e:
+            asyncio.run(serving.embeddings(parse(EmbeddingRequest, json.dumps(body).encode())))
+        assert e.value.status == status
+
+
 def test_cors_allows_only_the_allowed_origins(server):
     """--allowed_origins: a browser's preflight from an allowed origin passes, from another fails, and
     the allowed origin's requests carry the header that lets its page read the answer."""
@@ -624,6 +667,23 @@ def test_api_key(tiny):
     assert httpx.get(f"{tiny.url}/health").status_code == 200
     r = post(tiny.url, "/v1/completions", body, headers={"Authorization": "Bearer sekret"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_embeddings_match_llm_embed_and_need_the_key(tiny):
+    """The server's vectors are ``LLM.embed``'s for the same model and engine limits (the engine core runs
+    the same pass); inputs past max_model_len or text without a tokenizer are 400s naming ``input``."""
+    prompts = [[1, 2, 3], list(range(5, 45))]
+    assert post(tiny.url, "/v1/embeddings", {"input": prompts}).status_code == 401
+    key = {"Authorization": "Bearer sekret"}
+    r = post(tiny.url, "/v1/embeddings", {"input": prompts}, headers=key)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 43, "total_tokens": 43}
+    llm = LLM("tiny-llama3", load_format="dummy", max_num_seqs=1, max_num_batched_tokens=16, max_model_len=256)
+    want = [o.outputs.embedding for o in llm.embed(prompts)]
+    np.testing.assert_allclose([d["embedding"] for d in r.json()["data"]], want, rtol=0, atol=1e-6)
+    for body in ({"input": [list(range(3, 260))]}, {"input": "no tokenizer"}):
+        r = post(tiny.url, "/v1/embeddings", body, headers=key)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 def test_queue_full_answers_503(tiny):

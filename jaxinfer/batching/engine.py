@@ -15,6 +15,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
+from jaxinfer.batching.buckets import Buckets, geometric
 from jaxinfer.batching.inflight import DispatchedStep
 from jaxinfer.batching.model_runner import ModelRunner
 from jaxinfer.batching.outputs import OutputProcessor, RequestOutput
@@ -23,14 +24,17 @@ from jaxinfer.batching.resolve import ResolvedConfig
 from jaxinfer.batching.scheduler import Scheduler
 from jaxinfer.batching.speculative import Proposer
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.pooling import POOLING
 from jaxinfer.sampling import VerifyResult
 from jaxinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
-    """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``.
+def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_len: int,
+                  generate: bool = True) -> list[int]:
+    """Token ids of a prompt (text or ids), checked against the vocabulary and ``max_model_len``
+    (``generate``: leaving room for a generated token; an embedding's prompt may fill the context).
 
     A free function so that a front end in another process (the server's) validates prompts exactly
     as the engine does, without holding the engine.
@@ -53,9 +57,9 @@ def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len} "
-                         "(the prompt must leave room for at least one generated token)")
+    if len(ids) > (max_model_len - 1 if generate else max_model_len):
+        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}" +
+                         (" (the prompt must leave room for at least one generated token)" if generate else ""))
     return ids
 
 
@@ -112,6 +116,42 @@ class LLMEngine:
         self.scheduler.add_request(req)  # ValueError for a bad constraint, before anything is queued
         self._arrivals += 1
         self.processor.add(req)
+
+    def embed(self, prompts: Seq[Seq[int]], pooling: str = "last", normalize: bool = True) -> list[np.ndarray]:
+        """Each token-id prompt's embedding (float32 ``[hidden_size]``): its final hidden states pooled
+        (``models.pooling``: "last" or "mean"), L2-normalized if ``normalize``. A prompt may fill
+        ``max_model_len``; a longer one is a ValueError naming the limit.
+
+        Runs at once, on the caller's thread: the engine's thread, between two steps (the server's
+        engine core runs it between ``step`` calls; ``LLM.embed`` when no request is running). A
+        pass reads only the weights, never the KV pool or the scheduler's state, so a step may still
+        be in flight: the device runs the two one after the other, and the next step waits for the
+        pass, as it would for a prefill chunk of the same tokens. Prompts are packed in order into
+        passes of at most ``max_num_batched_tokens`` tokens (a longer prompt runs alone) and
+        ``max_num_seqs`` prompts; a pass's tokens and prompts are padded to powers of two (tokens up
+        to ``max_model_len``), so repeated calls reuse the compiled passes."""
+        if pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
+        if self._multihost:
+            raise ValueError("embeddings are not supported over several processes")
+        ids = [encode_prompt(list(p), None, self.model_config.vocab_size, self.max_model_len, generate=False)
+               for p in prompts]
+        r = self.resolved
+        budget, most = min(r.max_num_batched_tokens, self.max_model_len), r.max_num_seqs
+        passes: list[list[list[int]]] = []
+        total = 0
+        for p in ids:
+            if not passes or len(passes[-1]) == most or total + len(p) > budget:
+                passes.append([])
+                total = 0
+            passes[-1].append(p)
+            total += len(p)
+        token_buckets, seq_buckets = geometric(16, self.max_model_len, 2), geometric(1, most, 2)
+        out: list[np.ndarray] = []
+        for batch in passes:
+            tokens = Buckets.pick(token_buckets, sum(len(p) for p in batch))
+            out += list(self.runner.embed(batch, tokens, Buckets.pick(seq_buckets, len(batch)), pooling, normalize))
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its pages are freed at once. False if it is unknown."""

@@ -28,6 +28,7 @@ from jaxinfer.batching.swap import Swapper
 from jaxinfer.models import sharding
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.decoder import forward
+from jaxinfer.models import pooling as pooling_pass
 from jaxinfer.models.layers import Ops
 from jaxinfer.models.spec import Weights
 from jaxinfer.paged.kv_cache import KVCache
@@ -267,6 +268,23 @@ class ModelRunner:
         args = (self.weights, self.cache, self.last_tokens, inputs)
         logits, self.cache = self.compiler.get(self._forward, args, packing, {})(*args)
         return ConstrainedSample(self, logits, self.last_tokens, x.sb, x.flags, x.md.page_table.shape[0])
+
+    def embed(self, prompts: list[list[int]], num_tokens: int, num_seqs: int, pooling: str,
+              normalize: bool) -> np.ndarray:
+        """The pooled final hidden states ``[len(prompts), hidden]`` (float32) of one embedding pass
+        (``models.pooling``) of ``num_tokens`` tokens and ``num_seqs`` sequences (buckets), over a
+        scratch KV cache laid out as the engine's (dtype, sharding) and dropped after it. Reads only
+        the weights, so it may run while a step is in flight; blocks until its vectors are read."""
+        treedef = jax.tree.structure(self.cache)
+        layouts = jax.tree.leaves(self._cache_layout, is_leaf=lambda x: isinstance(x, tuple))
+        page_size = layouts[0][0][2]
+        pages = pooling_pass.scratch_pages(num_tokens, num_seqs, page_size)
+        cache = jax.tree.unflatten(treedef, [jnp.zeros((shape[0], pages, *shape[2:]), dtype, device=sharding)
+                                             for shape, dtype, sharding in layouts])
+        tokens, positions, md, segments = pooling_pass.pack(prompts, num_tokens, num_seqs, page_size, pooling)
+        out, _ = pooling_pass.pooled(self.weights, cache, tokens, positions, md, segments, config=self.config,
+                                     ops=self._ops, pooling=pooling, normalize=normalize)
+        return np.asarray(out)[:len(prompts)]
 
     @staticmethod
     def fetch(result: SampleResult | VerifyResult, want_logprobs: bool) -> ModelRunnerOutput:

@@ -37,6 +37,10 @@ class ReplicatedEngine:
     def encode(self, prompt):
         return self.replicas[0].encode(prompt)
 
+    def embed(self, prompts, pooling: str = "last", normalize: bool = True):
+        """``LLMEngine.embed`` on the replica with the fewest unfinished requests (all hold the same weights)."""
+        return min(self.replicas, key=lambda e: e.num_unfinished).embed(prompts, pooling, normalize)
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -1,5 +1,5 @@
-"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-/openapi.json and /docs.
+"""An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /health,
+/metrics, /openapi.json and /docs.
 
     jaxinfer serve                                        # smollm2-135m on 127.0.0.1:8000
     jaxinfer serve Qwen/Qwen2.5-0.5B-Instruct             # a Hugging Face Hub id, fetched into its cache
@@ -62,6 +62,9 @@ flags.DEFINE_enum("tool_call_parser", None, ["hermes", "llama3_json", "mistral"]
 flags.DEFINE_boolean("warmup_structured", False, "Also compile the steps of constrained requests (response_format, "
                      "guided_*, tool_choice required/named) before /health answers 200; without it the first "
                      "such request stalls the engine on that compile.")
+flags.DEFINE_enum("pooling", "last", ["last", "mean"], "How /v1/embeddings pools a prompt's final hidden states "
+                  "(after the final norm) into its vector, L2-normalized: the last token's (causal embedding models "
+                  "such as e5-mistral) or the mean over its tokens.")
 flags.DEFINE_float("timeout_keep_alive", 75.0, "Seconds an idle kept-alive HTTP connection stays open.")
 F = flags.FLAGS
 
@@ -98,7 +101,7 @@ def main(argv):
                            request_timeout=F.request_timeout, body_timeout=F.timeout_body,
                            max_concurrent_requests=F.max_concurrent_requests,
                            allowed_hosts=allowed_hosts(F.host, F.allowed_hosts), metrics_public=F.metrics_public,
-                           allowed_origins=tuple(F.allowed_origins)))
+                           allowed_origins=tuple(F.allowed_origins), pooling=F.pooling))
 
 
 def serve(sock: socket.socket, model: str, config, *, distributed, max_waiting: int, warmup_structured: bool,

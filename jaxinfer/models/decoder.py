@@ -71,9 +71,11 @@ def _layer(config: ModelConfig, ops: Ops, x, lw: dict, layer, cache: KVCache, po
 
 
 def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, md: BatchMetadata,
-            config: ModelConfig, ops: Ops = Ops()) -> tuple[jax.Array, KVCache]:
+            config: ModelConfig, ops: Ops = Ops(), hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """One step over packed tokens ``[T]``; returns float32 logits ``[S, V]`` at ``md.logits_indices``
-    and the updated cache (donate it at the jit boundary so it is updated in place).
+    and the updated cache (donate it at the jit boundary so it is updated in place). ``hidden`` (a
+    Python bool): the final hidden states ``[S, hidden_size]`` there instead (float32, after the final
+    norm, without the LM head), what ``pooling`` pools into embeddings.
 
     With ``ops.defer_kv_write`` the layers only read the cache (attention takes each layer's new K/V
     beside it) and every layer's K/V is written once, after the loop (``write_kv_layers``): XLA:CPU
@@ -134,13 +136,16 @@ def forward(weights: Weights, tokens: jax.Array, positions: jax.Array, kv_cache:
         kv_cache = kv_cache if ops.defer_kv_write else cache
     x = x[md.logits_indices]
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
-    head = "embed" if weights.lm_head is None else "lm_head"
-    logits = ops.project(x, getattr(weights, head), head, jnp.float32)
-    if config.final_soft_cap is not None:
-        logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
+    if hidden:
+        out = x.astype(jnp.float32)
+    else:
+        head = "embed" if weights.lm_head is None else "lm_head"
+        out = ops.project(x, getattr(weights, head), head, jnp.float32)
+        if config.final_soft_cap is not None:
+            out = config.final_soft_cap * jnp.tanh(out / config.final_soft_cap)
     if ops.defer_kv_write:
         kv_cache = write_kv_layers(kv_cache, *new_kv, md.slot_mapping)
-    return logits, kv_cache
+    return out, kv_cache
 
 
 def first_token_layer(config: ModelConfig, lw: dict, layer: int, x: jax.Array) -> tuple[jax.Array, dict]:

@@ -36,15 +36,15 @@ from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.metrics import CONTENT_TYPE
 from jaxinfer.server.protocol import (MAX_TOKEN_ID, APIError, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                      ErrorResponse, HealthResponse, ModelList, TokenizeRequest, TokenizeResponse,
-                                      VersionResponse, parse)
+                                      EmbeddingRequest, EmbeddingResponse, ErrorResponse, HealthResponse, ModelList,
+                                      TokenizeRequest, TokenizeResponse, VersionResponse, parse)
 from jaxinfer.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
 
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest}
 _ANY_ERRORS = (421, 500)  # any route: a Host that is not allowed, an internal error
 _METERED_ERRORS = (*_ANY_ERRORS, 503)  # and past the concurrency limit
 _POST_ERRORS = (*_METERED_ERRORS, 400, 401, 404, 408, 413, 415, 504)
@@ -66,7 +66,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                tool_call_parser: str | None = None, request_timeout: float | None = None,
                body_timeout: float = 30.0, max_concurrent_requests: int = 1024,
                allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False,
-               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+               allowed_origins: tuple[str, ...] = (), pooling: str = "last") -> FastAPI:
     """An app that starts ``engine``'s core process on startup and stops it on shutdown.
 
     ``chat_template`` (jinja text) replaces the model's; ``tool_call_parser`` overrides the parser of
@@ -76,7 +76,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     (any port) the ``Host`` header may carry, None for any; ``metrics_public``: /metrics without the key;
     ``allowed_origins``: the web origins (``https://app.example``, or ``*``) whose pages may call the
     server from a browser (CORS, Starlette's middleware: a preflight from another origin gets a 400 and
-    no ``Access-Control-Allow-Origin``); none by default, as a browser then refuses them all."""
+    no ``Access-Control-Allow-Origin``); none by default, as a browser then refuses them all. ``pooling``:
+    how /v1/embeddings pools the final hidden states ("last" token's or "mean"; ``models.pooling``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,7 +92,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                            allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
     app.add_middleware(_Edge, allowed_hosts=allowed_hosts, max_concurrent=max_concurrent_requests)
     serving = OpenAIServing(engine, served_model_name, chat_template=chat_template,
-                            tool_call_parser=tool_call_parser, request_timeout=request_timeout)
+                            tool_call_parser=tool_call_parser, request_timeout=request_timeout, pooling=pooling)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -172,6 +173,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         req = parse(DetokenizeRequest, await body(request))
         return await serving.detokenize(req)
 
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **_errors(*_POST_ERRORS)})
+    async def embeddings(request: Request):
+        authorize(request)
+        return await serving.embeddings(parse(EmbeddingRequest, await body(request)))
+
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(*_METERED_ERRORS, 401)})
     async def models(request: Request):
         authorize(request)
@@ -224,9 +230,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                 for name in ("max_tokens", "max_completion_tokens"):
                     if name in properties:
                         properties[name]["anyOf"][0]["maximum"] = engine.max_model_len - 1
-                for name in ("prompt", "tokens"):
+                for name in ("prompt", "tokens", "input"):
                     if name in properties:
                         _set_maximum(properties[name], MAX_TOKEN_ID, engine.vocab_size - 1)
+                if "dimensions" in properties:  # embeddings are not shortened: only the model's size
+                    properties["dimensions"]["anyOf"][0].update(minimum=engine.hidden_size,
+                                                                maximum=engine.hidden_size)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         for path, model in _BODIES.items():
             schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {

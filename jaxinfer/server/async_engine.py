@@ -135,10 +135,12 @@ class AsyncEngine:
         self.tokenizer = None
         self.max_model_len: int | None = None
         self.vocab_size = 0
+        self.hidden_size: int | None = None  # the model's (an embedding's length), once ready
         self._stats: dict | None = None  # the engine's last stats(), replaced whole per step
         self._ids = itertools.count()
         self._inflight = 0  # sub-requests admitted and not yet released (event-loop side)
         self._live: dict[str, tuple[_Choice, Submission]] = {}
+        self._embeds: dict[str, asyncio.Future] = {}  # "embed" commands sent and not yet answered
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -167,8 +169,17 @@ class AsyncEngine:
         """Whether the engine core process is up (loading, warming up or serving)."""
         return self._process is not None and self._process.is_alive() and not self.failed
 
-    def encode(self, prompt) -> list[int]:
-        return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
+    def encode(self, prompt, generate: bool = True) -> list[int]:
+        return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len, generate)
+
+    def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> asyncio.Future:
+        """Send encoded prompts to the engine core to be embedded (``LLMEngine.embed``, run between two
+        steps); the future's result is their vectors (float32 ``[prompts, hidden]``), or an APIError."""
+        self.check_serving()
+        eid = f"embd-{next(self._ids)}"
+        future = self._embeds[eid] = self._loop.create_future()
+        self._outbox.put([("embed", eid, prompts, pooling, normalize)])
+        return future
 
     def check_serving(self) -> None:
         if self.draining:
@@ -274,8 +285,25 @@ class AsyncEngine:
             sub._update(rid)
         self._stats = stats
 
+    def _on_embedding(self, eid: str, vectors, error: tuple[int, str] | None) -> None:
+        future = self._embeds.pop(eid, None)
+        if future is None or future.done():
+            return  # its handler gave up (a timeout)
+        if error is None:
+            future.set_result(vectors)
+        elif error[0] == 400:
+            future.set_exception(APIError(400, f"input: {error[1]}", param="input"))
+        else:
+            log.error("embedding %s: %s", eid, error[1])
+            future.set_exception(APIError(error[0], f"internal error (embedding {eid})", type="server_error"))
+
     def _on_error(self, rid: str | None, error: APIError) -> None:
-        """Fail one sub-request's submission, or every live one (rid None)."""
+        """Fail one sub-request's submission, or every live one (rid None), embeddings included."""
+        if rid is None:
+            for future in self._embeds.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._embeds.clear()
         rids = list(self._live) if rid is None else [rid]
         for r in rids:
             entry = self._live.pop(r, None)
@@ -329,11 +357,14 @@ class AsyncEngine:
                 kind = msg[0]
                 if kind == "step":
                     cause = self._post(self._on_step, msg[1], msg[2])
+                elif kind == "embedding":
+                    cause = self._post(self._on_embedding, msg[1], msg[2], msg[3])
                 elif kind == "error":
                     cause = self._post(self._on_engine_error, msg[1], msg[2], msg[3])
                 elif kind == "ready":
                     info = msg[1]
                     self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+                    self.hidden_size = info["hidden_size"]
                     self.warmup_seconds, self._stats = info["warmup_seconds"], info["stats"]
                     self.resolved_config = info["config"]
                     self.ready.set()

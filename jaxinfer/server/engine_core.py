@@ -10,11 +10,13 @@ offline path runs them too (overlapped with the device step), so streamed text e
 
 Messages, front end -> core (each a list of commands, sent in batches):
     ("add", request_id, prompt_ids, SamplingParams, priority) | ("abort", request_id) | ("stop",)
+    | ("embed", embed_id, [prompt_ids, ...], pooling, normalize): run between two steps (``LLMEngine.embed``)
 core -> front end:
     ("ready", info) once, after warm-up; ("fatal", message) if the engine could not start;
     ("step", StepOutputs, stats) once per step that produced outputs or changed state;
     ("error", request_id, status, message) for a request the engine refused or that failed alone (400:
         the request's own fault, the message is for the client; else the engine's, logged);
+    ("embedding", embed_id, float32 array [prompts, hidden] | None, None | (status, message)) per "embed";
     ("stopped", stats) as the last message.
 """
 
@@ -30,6 +32,8 @@ import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import NamedTuple
+
+import numpy as np
 
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching import multihost
@@ -98,6 +102,7 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
     log.info("ready in %.1fs: model loaded, %d step shapes compiled in %.1fs", time.monotonic() - t0,
              engine.num_compilations, warmup)
     outputs.send(("ready", dict(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+                                hidden_size=engine.model_config.hidden_size,
                                 config=engine.resolved.summary(),
                                 warmup_seconds=warmup, num_compilations=engine.num_compilations,
                                 stats=engine.stats())))
@@ -170,6 +175,19 @@ class _Constraints:
                 yield rid, prompt, params, priority, future.exception()
 
 
+def _embed(engine: LLMEngine, outputs: _Outbox, eid: str, prompts, pooling: str, normalize: bool) -> None:
+    """One "embed" command, answered with its vectors or why not (400: the request's fault)."""
+    try:
+        vectors = np.stack(engine.embed(prompts, pooling, normalize))
+    except (ValueError, TypeError) as e:
+        outputs.send(("embedding", eid, None, (400, str(e))))
+    except Exception as e:  # noqa: BLE001 - the pass failed, not the engine: answered, logged, serving goes on
+        log.exception("embedding %s failed", eid)
+        outputs.send(("embedding", eid, None, (500, f"{type(e).__name__}: {e}")))
+    else:
+        outputs.send(("embedding", eid, vectors, None))
+
+
 def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
     live: set[str] = set()
     compiling = _Constraints(engine)
@@ -196,6 +214,7 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
         while commands.poll():
             batches.append(commands.recv())
         changed = bool(batches)
+        embeds = []
         for batch in batches:
             for cmd in batch:
                 if cmd[0] == "stop":
@@ -208,12 +227,17 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
                         live.discard(cmd[1])
                         compiling.abort(cmd[1]) or engine.abort(cmd[1])
                     continue
+                if cmd[0] == "embed":
+                    embeds.append(cmd[1:])
+                    continue
                 _, rid, prompt, params, priority = cmd
                 live.add(rid)
                 if params.structured is not None and engine.tokenizer is not None:
                     compiling.add(rid, prompt, params, priority)
                 else:
                     add(rid, prompt, params, priority)
+        for eid, prompts, pooling, normalize in embeds:  # between two steps: a pass reads only the weights
+            _embed(engine, outputs, eid, prompts, pooling, normalize)
         for rid, prompt, params, priority, error in compiling.ready():
             changed = True
             if error is None:

@@ -245,6 +245,7 @@ class ChatCompletionRequest(_Sampling):
 # Plain-words types for fields whose pydantic union errors would list every alternative.
 _FIELD_HINTS = {
     "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a non-empty list of either",
+    "input": "a non-empty string, a non-empty list of token ids (each >= 0), or a non-empty list of either",
     "stop": "a non-empty string or a list of non-empty strings",
     "messages": "a non-empty list of {role, content} objects, role one of system/developer/user/assistant/tool, "
                 "content a string or a list of {type: 'text', text} parts",
@@ -443,3 +444,39 @@ class DetokenizeRequest(_Strict):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's ``/v1/embeddings``: ``input`` is one text, one list of token ids, or a list of either,
+    each embedded on its own (the server's ``--pooling`` of the final hidden states, L2-normalized);
+    ``encoding_format`` "float" (lists of numbers) or "base64" (each vector's little-endian float32
+    bytes); ``dimensions`` only the model's hidden size (vectors are not shortened); ``user`` is
+    ignored, as OpenAI does."""
+
+    model: str | None = None
+    input: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: _int(1) | None = None
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # a string with encoding_format "base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -12,6 +12,7 @@ event loop that every other client, ``/health`` included, is answered from.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -20,6 +21,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -29,8 +31,8 @@ from jaxinfer.server import tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
 from jaxinfer.server.constraints import ToolPlan, request_constraint, tool_plan
 from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest, chat_text, check_supported, sampling_params,
-                                      shown)
+                                      DetokenizeRequest, EmbeddingRequest, TokenizeRequest, chat_text, check_supported,
+                                      sampling_params, shown)
 from jaxinfer.tokenizer import apply_chat_template
 
 
@@ -50,7 +52,7 @@ class OpenAIServing:
     PREPARE_THREADS = 4
 
     def __init__(self, engine: AsyncEngine, model_name: str, *, chat_template: str | None = None,
-                 tool_call_parser: str | None = None, request_timeout: float | None = None):
+                 tool_call_parser: str | None = None, request_timeout: float | None = None, pooling: str = "last"):
         """``chat_template`` replaces the tokenizer's (e.g. one that renders tools); ``tool_call_parser``
         names the parser of ``tool_choice: "auto"`` replies (default: chosen from the template);
         ``request_timeout``: seconds after which an unfinished request is aborted (504)."""
@@ -59,6 +61,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tool_parser = tool_parsers.get_parser(tool_call_parser) if tool_call_parser else None
         self.request_timeout = request_timeout
+        self.pooling = pooling  # how /v1/embeddings pools the final hidden states: "last" or "mean"
         self._prepare = concurrent.futures.ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="prepare")
 
     # ------------------------------------------------------------------------------- endpoints
@@ -111,6 +114,37 @@ class OpenAIServing:
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._prepare, self._tokenize, req)
+
+    async def embeddings(self, req: EmbeddingRequest) -> dict:
+        """``/v1/embeddings``: the inputs encoded on the preparation threads, then embedded by the engine
+        core between two steps (``AsyncEngine.embed``), in OpenAI's shape. One admission slot per
+        request: a pass holds no sequence of the engine's, but a flood of them still queues."""
+        self._check_model(req)
+        self.engine.admit(1, "input")
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                prompts = await asyncio.get_running_loop().run_in_executor(self._prepare, self._embedding_inputs, req)
+                vectors = await self.engine.embed(prompts, self.pooling, True)
+        except TimeoutError:
+            raise APIError(504, f"the request did not finish within the server's request timeout of "
+                                f"{self.request_timeout:g}s", type="server_error", code="request_timeout") from None
+        finally:
+            self.engine.cancel(1)
+        as_base64 = req.encoding_format == "base64"
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() if as_base64 else v.tolist()}
+                for i, v in enumerate(vectors)]
+        tokens = sum(len(p) for p in prompts)
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    def _embedding_inputs(self, req: EmbeddingRequest) -> list[list[int]]:
+        """The token ids of each of an embedding request's inputs (an input may fill the context)."""
+        if req.dimensions is not None and req.dimensions != self.engine.hidden_size:
+            raise APIError(400, f"dimensions: this model's embeddings have {self.engine.hidden_size} dimensions and "
+                                f"are not shortened, got {req.dimensions}", param="dimensions", code="invalid_value")
+        raw = [req.input] if isinstance(req.input, str) or _is_ids(req.input) else list(req.input)
+        return [self._encode(p, "input", generate=False) for p in raw]
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._prepare, self._detokenize, req)
@@ -165,9 +199,9 @@ class OpenAIServing:
         self._check_model(req)
         check_supported(req, self.engine.scheduling_policy if req.priority else "fcfs")
 
-    def _encode(self, prompt, param: str) -> list[int]:
+    def _encode(self, prompt, param: str, generate: bool = True) -> list[int]:
         try:
-            return self.engine.encode(prompt)
+            return self.engine.encode(prompt, generate)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"{param}: {e}", param=param,
                            code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
