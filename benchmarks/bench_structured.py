@@ -63,7 +63,7 @@ def run(llm, prompts, params) -> tuple[dict, list]:
     eng = llm.engine
     s0, compilations = eng.stats(), eng.num_compilations
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     s1 = eng.stats()

@@ -547,7 +547,7 @@ def cpu(results):
     prompts = license_prompts(llm.tokenizer, 8, 128)
     new = 128
     greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    tokens = llm.generate([prompts[0]], greedy)[0].token_ids
+    tokens = llm.generate([prompts[0]], greedy)[0].outputs[0].token_ids
     gguf = resolve_model(F.model).path
     with tempfile.NamedTemporaryFile("w", suffix=".json") as prompts_file:  # closed (deleted) on any exit
         json.dump(prompts, prompts_file)

@@ -23,7 +23,7 @@ def probe_step(llm, prompts, proposals=None):
         request_ids=[f"probe{i}" for i in range(len(prompts))], num_tokens=[1 + len(q) for q in props],
         starts=[len(p) - 1 for p in prompts], token_ids=[t for p, q in zip(prompts, props) for t in [p[-1], *q]],
         page_tables=tables, params=[SamplingParams(max_tokens=1, temperature=0.0)] * len(prompts),
-        seeds=[0] * len(prompts), output_index=[0] * len(prompts), penalty_tokens={}, proposals=props,
+        seeds=[0] * len(prompts), output_index=[0] * len(prompts), logit_terms={}, proposals=props,
         num_speculative=len(props[0]))
 
 

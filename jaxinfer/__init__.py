@@ -15,19 +15,20 @@ _EXPORTS = {
     "EmbeddingOutput": "jaxinfer.embeddings",
     "EmbeddingRequestOutput": "jaxinfer.embeddings",
     "LLMEngine": "jaxinfer.batching.engine",
-    "RequestOutput": "jaxinfer.batching.outputs",
+    "RequestOutput": "jaxinfer.outputs",
+    "CompletionOutput": "jaxinfer.outputs",
     "SamplingParams": "jaxinfer.sampling_params",
     "StructuredOutputs": "jaxinfer.sampling_params",
 }
 
-__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "LLM", "LLMEngine", "RequestOutput", "SamplingParams",
-           "StructuredOutputs", "generate"]
+__all__ = ["CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "LLM", "LLMEngine", "RequestOutput",
+           "SamplingParams", "StructuredOutputs", "generate"]
 
 if TYPE_CHECKING:
     from jaxinfer.batching.engine import LLMEngine
     from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
-    from jaxinfer.batching.outputs import RequestOutput
     from jaxinfer.llm import LLM, generate
+    from jaxinfer.outputs import CompletionOutput, RequestOutput
     from jaxinfer.sampling_params import SamplingParams, StructuredOutputs
 
 

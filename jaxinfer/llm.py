@@ -11,13 +11,15 @@ from tqdm.auto import tqdm
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.factory import create_engine
-from jaxinfer.batching.outputs import RequestOutput
+from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.batching.structured import compile_constraint
 from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
-from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list, choices
 from jaxinfer.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
+PromptInput = Prompt | dict  # and vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 
 
 class LLM:
@@ -29,7 +31,7 @@ class LLM:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.get_tokenizer()
 
     def warmup(self, shapes=None, greedy_only: bool = False, structured: bool = False,
                background: bool = False) -> float:
@@ -38,10 +40,17 @@ class LLM:
         request meets first before returning, the rest in a background thread (what the server does)."""
         return self.engine.warmup(shapes, greedy_only, structured, background)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def get_tokenizer(self):
+        """The model's tokenizer (transformers'); ``None`` for a model without one (dummy weights)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priority: int | Sequence[int] = 0, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts (text, token ids, or a list of either) to completion; one output per prompt."""
+                 priority: int | Sequence[int] = 0, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; one ``RequestOutput`` per prompt, in order, each with its
+        ``sampling_params.n`` completions (``out.outputs[i]``). A prompt is text, a list of token ids,
+        or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; ``sampling_params`` is one for
+        all prompts or a list with one per prompt. Every prompt and option is checked before any runs."""
         prompts = _as_prompt_list(prompts)
         params = as_list(sampling_params, len(prompts))
         priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
@@ -52,33 +61,48 @@ class LLM:
         for sp in params:
             if sp.structured is not None:  # compiled once here, then found in the cache by add_request
                 compile_constraint(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, p, sp, prio in zip(ids, encoded, params, priorities):
-            self.engine.add_request(rid, p, sp, prio)
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        groups = []  # per prompt: its request id and its engine requests, one per completion
+        for p, sp, prio in zip(encoded, params, priorities):
+            rid = f"gen-{next(self._ids)}"
+            completions = choices(sp)
+            groups.append((rid, [(f"{rid}-{j}" if sp.n > 1 else rid, p, one, prio) for j, one in enumerate(completions)]))
+        owner = {}  # engine request id -> its prompt's index
+        for i, (_, group) in enumerate(groups):
+            for rid, p, sp, prio in group:
+                self.engine.add_request(rid, p, sp, prio)
+                owner[rid] = i
+        left = [len(group) for _, group in groups]  # completions still running, per prompt
+        done: dict[str, EngineOutput] = {}
+        bar = tqdm(total=len(groups), desc="generating", disable=not use_tqdm or len(groups) == 1)
         try:
-            while len(done) < len(ids):
+            while len(done) < len(owner):
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                        bar.update()
+                        left[owner[out.request_id]] -= 1
+                        bar.update(left[owner[out.request_id]] == 0)
         finally:
             bar.close()
-            for rid in ids:
+            for rid in owner:
                 if rid not in done:
                     self.engine.abort(rid)
-        return [done[rid] for rid in ids]
+        return [RequestOutput.gather(rid, _text(prompt), [done[r] for r, *_ in group])
+                for prompt, (rid, group) in zip(prompts, groups)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kwargs) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             tools: Sequence[dict] | None = None, chat_template: str | None = None,
+             **kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template (or ``chat_template``) to one conversation or a list of them,
+        then generate; ``tools`` (OpenAI tool objects) are given to the template, which lists them for
+        the model (the reply is text: parse tool calls from it as the model formats them)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
         convs = messages if isinstance(messages[0], list) else [messages]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights), so chat is unavailable")
-        prompts = [apply_chat_template(self.tokenizer, conv) for conv in convs]
+        prompts = [apply_chat_template(self.tokenizer, conv, tools=tools, chat_template=chat_template)
+                   for conv in convs]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last",
@@ -98,16 +122,29 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    """Each prompt as text or a token-id list (vLLM's prompt dicts unwrapped)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a token-id list, or a non-empty list of them")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [list(prompts)]
+    out = []
     for p in prompts:
+        if isinstance(p, dict):
+            keys = set(p) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1 or set(p) - keys:
+                raise ValueError("a prompt dict must hold exactly one of 'prompt' (text) or 'prompt_token_ids', "
+                                 f"got keys {sorted(p)}")
+            p = p[keys.pop()]
         if not isinstance(p, (str, list, tuple)):
             raise TypeError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
-    return list(prompts)
+        out.append(p)
+    return out
+
+
+def _text(prompt: Prompt) -> str | None:
+    return prompt if isinstance(prompt, str) else None
 
 
 @functools.lru_cache(maxsize=2)

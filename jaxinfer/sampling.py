@@ -17,6 +17,33 @@ import numpy as np
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class LogitTerms:
+    """Sparse per-(row, token) terms that adjust the logits before sampling, padded to a power of two
+    ``[K]`` (one compiled shape per size). Padding entries carry an out-of-range row, so every scatter
+    drops them.
+
+    One entry per distinct (row, token) the step needs: tokens a row generated (``counts``, for
+    presence and frequency penalties), tokens of its prompt or output (``seen``, for the repetition
+    penalty), and tokens whose logit is shifted (``bias``: ``logit_bias``, and ``-inf`` for the end
+    tokens ``min_tokens`` holds back, each applied while the row's ``step < until``)."""
+
+    rows: jax.Array  # i32 [K]; padding: the step's row count (dropped)
+    tokens: jax.Array  # i32 [K]
+    counts: jax.Array  # f32 [K]: times the row generated the token
+    seen: jax.Array  # f32 [K]: 1 where the token is in the row's prompt or output
+    bias: jax.Array  # f32 [K]: added to the logit while the row's step < ``until``
+    until: jax.Array  # i32 [K]
+
+    @staticmethod
+    def empty(rows: int, slots: int) -> LogitTerms:
+        """``slots`` padding entries for a step of ``rows`` rows: no term at all."""
+        zeros = lambda dtype: np.zeros(slots, dtype)  # noqa: E731 (each its own array: the host fills them)
+        return LogitTerms(np.full(slots, rows, np.int32), zeros(np.int32), zeros(np.float32), zeros(np.float32),
+                          zeros(np.float32), zeros(np.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class SamplingBatch:
     """Per-row sampling inputs, padded to the step's sequence bucket ``[S]``."""
 
@@ -28,20 +55,17 @@ class SamplingBatch:
     step: jax.Array  # i32: how many tokens this request has generated so far
     presence_penalty: jax.Array  # f32
     frequency_penalty: jax.Array  # f32
-    # Generated-token counts for penalties as sparse (row, token, count) triples padded with count 0.
-    penalty_rows: jax.Array  # i32 [K]
-    penalty_tokens: jax.Array  # i32 [K]
-    penalty_counts: jax.Array  # f32 [K]
+    repetition_penalty: jax.Array  # f32; 1 disables
+    terms: LogitTerms  # read only by steps compiled with ``logit_terms``
     # Speculative steps only: the tokens proposed after each row's last one, padded with -1 (``verify``).
     proposals: jax.Array | None = None  # i32 [S, num_speculative_tokens]
 
     @staticmethod
-    def greedy(rows: int, penalty_slots: int) -> SamplingBatch:
+    def greedy(rows: int, term_slots: int) -> SamplingBatch:
         """Host arrays for ``rows`` greedy rows with every filter and penalty off (warm-up, benchmarks)."""
         z = np.zeros(rows, np.float32)
         return SamplingBatch(z, np.zeros(rows, np.int32), z + 1, z, np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
-                             z, z, np.zeros(penalty_slots, np.int32), np.zeros(penalty_slots, np.int32),
-                             np.zeros(penalty_slots, np.float32))
+                             z, z, z + 1, LogitTerms.empty(rows, term_slots))
 
 
 @dataclasses.dataclass
@@ -56,8 +80,17 @@ jax.tree_util.register_dataclass(SampleResult, data_fields=["tokens", "logprobs"
                                  meta_fields=[])
 
 
-def _apply_penalties(logits: jax.Array, b: SamplingBatch) -> jax.Array:
-    counts = jnp.zeros_like(logits).at[b.penalty_rows, b.penalty_tokens].add(b.penalty_counts)
+def _apply_terms(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+    """The logits with each row's bias, then its repetition, frequency and presence penalties (vLLM's
+    order and definitions): repetition divides a seen token's positive logit by the penalty and
+    multiplies a negative one; frequency subtracts per occurrence in the output, presence once."""
+    t = b.terms
+    live = b.step[jnp.minimum(t.rows, b.step.shape[0] - 1)] < t.until
+    logits = logits.at[t.rows, t.tokens].add(jnp.where(live, t.bias, 0.0), mode="drop")
+    counts = jnp.zeros_like(logits).at[t.rows, t.tokens].add(t.counts, mode="drop")
+    seen = jnp.zeros_like(logits).at[t.rows, t.tokens].add(t.seen, mode="drop") > 0
+    rp = b.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     present = (counts > 0).astype(logits.dtype)
     return logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * present
 
@@ -195,7 +228,7 @@ def _unless_all_greedy(greedy_only: bool | None, b: SamplingBatch, greedy, sampl
 
 
 def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = False,
-           num_logprobs: int | None = None, penalties: bool = False, bitmask: jax.Array | None = None) -> SampleResult:
+           num_logprobs: int | None = None, logit_terms: bool = False, bitmask: jax.Array | None = None) -> SampleResult:
     """Sample one token per row of float32 ``logits [S, V]``.
 
     The flags are static (the host knows them from the requests), so a step compiles without work it
@@ -210,7 +243,7 @@ def sample(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     """
     logits = logits.astype(jnp.float32)
     adjusted = logits if bitmask is None else apply_bitmask(logits, bitmask)
-    adjusted = _apply_penalties(adjusted, b) if penalties else adjusted
+    adjusted = _apply_terms(adjusted, b) if logit_terms else adjusted
     greedy = argmax(adjusted)
     tokens = _unless_all_greedy(greedy_only, b, greedy,
                                 lambda: jnp.where(b.temperature == 0, greedy, _sample_random(adjusted, b)))
@@ -251,18 +284,18 @@ jax.tree_util.register_dataclass(VerifyResult, data_fields=["tokens", "num_accep
 
 def _per_position(b: SamplingBatch, k1: int) -> SamplingBatch:
     """``b`` with each row repeated for the ``k1`` positions a sequence is verified at; position ``j``
-    samples the request's ``step + j``-th token, so its randomness is that token's. Penalties apply at
-    position 0 only (a penalized request does not speculate: later positions would need the proposals
-    counted)."""
+    samples the request's ``step + j``-th token, so its randomness is that token's. Logit terms apply
+    at position 0 only (a request with any does not speculate: later positions would need the
+    proposals counted)."""
     rep = lambda x: jnp.repeat(x, k1)  # noqa: E731
     step = (b.step[:, None] + jnp.arange(k1, dtype=b.step.dtype)[None, :]).reshape(-1)
+    terms = dataclasses.replace(b.terms, rows=b.terms.rows * k1)  # padding (row S) lands on S * k1: dropped
     return SamplingBatch(rep(b.temperature), rep(b.top_k), rep(b.top_p), rep(b.min_p), rep(b.seed), step,
-                         rep(b.presence_penalty), rep(b.frequency_penalty), b.penalty_rows * k1, b.penalty_tokens,
-                         b.penalty_counts)
+                         rep(b.presence_penalty), rep(b.frequency_penalty), rep(b.repetition_penalty), terms)
 
 
 def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = False,
-           num_logprobs: int | None = None, penalties: bool = False) -> VerifyResult:
+           num_logprobs: int | None = None, logit_terms: bool = False) -> VerifyResult:
     """Accept a prefix of each row's proposed tokens against the target's ``logits [S, K + 1, V]``.
 
     ``logits[s, j]`` is the target's distribution after proposal ``j - 1`` (``j = 0``: after the
@@ -278,7 +311,7 @@ def verify(logits: jax.Array, b: SamplingBatch, *, greedy_only: bool | None = Fa
     k = k1 - 1
     rb = _per_position(b, k1)
     flat = logits.reshape(s * k1, vocab).astype(jnp.float32)
-    adjusted = _apply_penalties(flat, rb) if penalties else flat
+    adjusted = _apply_terms(flat, rb) if logit_terms else flat
     target = argmax(adjusted).reshape(s, k1)
     prop = jnp.concatenate([b.proposals, jnp.full((s, 1), -1, jnp.int32)], axis=1)  # position K: nothing proposed
     accept = prop == target

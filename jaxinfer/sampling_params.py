@@ -29,6 +29,9 @@ MAX_CHOICES = 1024
 MAX_REGEX_SIZE = 100_000
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, MAX_REPETITION_PENALTY]; 1 is off
+MAX_LOGIT_BIAS = 100.0  # each logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one logit_bias: each is a term of every step the request is in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +107,21 @@ class StructuredOutputs:
 class SamplingParams:
     """OpenAI/vLLM-style sampling settings for one request.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    ``seed`` makes sampling reproducible regardless of what else is in the batch.
-    ``logprobs`` asks for that many top alternatives per generated token (the sampled token's own
-    logprob is always returned when it is set, including ``logprobs=0``).
-    ``structured`` constrains the output (JSON schema, regex, choice, grammar): see StructuredOutputs.
+    ``n`` completions are generated for the prompt (choice ``j`` seeded ``seed + j`` when ``seed`` is
+    given, so each is reproducible; ``choices``). ``temperature == 0`` is greedy. ``top_k <= 0`` and
+    ``top_p == 1`` disable those filters. ``seed`` makes sampling reproducible regardless of what else
+    is in the batch. ``logprobs`` asks for that many top alternatives per generated token (the
+    sampled token's own logprob is always returned when it is set, including ``logprobs=0``).
+    Penalties and bias are vLLM's: ``presence_penalty`` and ``frequency_penalty`` over the generated
+    tokens, ``repetition_penalty`` over the prompt's and the generated tokens (a seen token's positive
+    logit divided by it, a negative one multiplied), ``logit_bias`` ``{token id: bias}`` added to the
+    logits; ``min_tokens`` holds back the end-of-sequence tokens, ``stop_token_ids`` and ``stop``
+    strings until that many tokens are generated. ``structured`` constrains the output (JSON schema,
+    regex, choice, grammar): see StructuredOutputs.
     """
 
     max_tokens: int = 16
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -120,9 +130,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
     structured: StructuredOutputs | None = None
 
     def __post_init__(self):
@@ -133,12 +146,16 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("n", self.n, low=1, high=MAX_N)
         _check_number("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=-1, high=MAX_TOP_K)
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
         _check_number("presence_penalty", self.presence_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
         _check_number("frequency_penalty", self.frequency_penalty, low=-MAX_PENALTY, high=MAX_PENALTY)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=MAX_REPETITION_PENALTY,
+                      low_open=True)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         if self.logprobs is not None:
@@ -154,12 +171,61 @@ class SamplingParams:
                              "are allowed")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, high=MAX_TOP_K)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise TypeError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides where "
+                             "the output may end")
+
+    @property
+    def penalized(self) -> bool:
+        """Presence, frequency or repetition penalties: a step needs the generated tokens on the host."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether steps apply terms of this request to its logits (``sampling.LogitTerms``)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def choices(params: SamplingParams) -> list[SamplingParams]:
+    """The ``n`` single completions ``params`` asks for: choice ``j`` seeded ``seed + j`` (wrapped below
+    ``MAX_SEED``) when a seed is given, so every choice is reproducible and none repeats another."""
+    one = dataclasses.replace(params, n=1)
+    if params.seed is None:
+        return [one] * params.n
+    return [one] + [dataclasses.replace(one, seed=(params.seed + j) % (MAX_SEED + 1)) for j in range(1, params.n)]
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """A ``logit_bias`` token outside the model's vocabulary would bias nothing: refused, not dropped
+    (checked where the vocabulary is known: the engine, the server)."""
+    bad = [t for t in params.logit_bias or () if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token id {bad[0]} is not below the vocabulary size {vocab_size}")
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """``logit_bias`` checked: a dict of token ids (ints, or their decimal text as JSON carries them) to
+    finite biases in OpenAI's range."""
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be a dict of token id to bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+    out = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        _check_int("logit_bias token id", token, low=0, high=MAX_TOP_K)
+        _check_number("logit_bias value", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        out[token] = float(value)
+    return out
 
 
 def _short(value, limit: int = 80) -> str:

@@ -12,6 +12,9 @@ the server can serve and "schema-valid data is accepted" can be checked.
   schema, so valid drawn requests are kept only where a bound says they fit: a prompt's UTF-8 bytes
   (byte-level BPE: at most one token a byte), a chat's messages and tools as JSON plus the chat
   template's own tokens (SmolLM2's with tools: 154 for one short message and one tool).
+- ``logit_bias`` keys must be token ids of the served model's vocabulary and ``min_tokens`` at most
+  the tokens asked for (or the room the prompt leaves): the vocabulary and the prompt's tokens are not
+  in the schema, so valid drawn requests send neither (null).
 - A constraint must admit text the model can write: SmolLM2's tokenizer (the served model's) has no
   token for 21 bytes (``missing_bytes``), so a regex or choice whose every output needs one (``"\\x04"``)
   is refused as admitting no output, and a prompt of only such bytes as encoding to no tokens. That is
@@ -172,7 +175,12 @@ def _named(choice) -> bool:
 @schemathesis.hook
 def map_case(ctx, case):
     body = case.body
-    if not _positive(case) or not isinstance(body, dict) or "messages" not in body:
+    if not _positive(case) or not isinstance(body, dict):
+        return case
+    for field in ("logit_bias", "min_tokens"):
+        if body.get(field) is not None:
+            body[field] = None
+    if "messages" not in body:
         return case
     tools = _mended_tools(body)
     if tools is not body.get("tools"):

@@ -51,12 +51,13 @@ def run(model: str, tp: int, dp: int = 1, **options) -> dict:
     llm = LLM(model, tensor_parallel=tp, data_parallel=dp, **{**SMALL, **options})
     llm.warmup(greedy_only=True)
     compiled = llm.engine.num_compilations
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     out = dict(tokens=tokens, compilations_after_warmup=llm.engine.num_compilations - compiled)
     engines = getattr(llm.engine, "replicas", [llm.engine])
     per_device = sharding.per_device_bytes([e.runner.weights for e in engines])
     out["param_bytes_per_device"] = sorted(set(per_device.values()))
     out["generation_tokens_per_replica"] = [e.stats()["generation_tokens"] for e in engines]
+    out["device_ids"] = sorted({d.id for e in engines for d in jax.tree.leaves(e.runner.weights)[0].devices()})
     out["kv_heads_per_device"] = sorted({s.data.shape[3] for e in engines for s in e.runner.cache.k.addressable_shards})
     if engines[0].runner.cache.quantized:
         out["kv_scale_heads_per_device"] = sorted({s.data.shape[3] for e in engines

@@ -265,7 +265,7 @@ def cases() -> list[Case]:
         bad("type-tools", {"messages": CHAT, "tools": "x"}, path=CH, param="tools"),
         bad("missing-prompt", {"max_tokens": 4}, param="prompt", words="required"),
         bad("empty-messages", {"messages": []}, path=CH, param="messages"),
-        bad("unsupported-logit-bias", {**hi, "logit_bias": {"1": 5}}, param="logit_bias"),
+        bad("logit-bias-past-vocabulary", {**hi, "logit_bias": {"999999": 5}}, param="logit_bias"),
         bad("unsupported-echo", {**hi, "echo": True}, param="echo"),
         bad("unsupported-best-of", {**hi, "n": 2, "best_of": 2}, param="best_of"),
         bad("content-type-text", None, status=415, raw=json.dumps(hi).encode(), headers={"Content-Type": "text/plain"}),

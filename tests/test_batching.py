@@ -28,7 +28,7 @@ def _oracle(model: str) -> LLM:
 @functools.lru_cache(maxsize=None)
 def run_alone(model: str, prompt: tuple, n: int = MAX_TOKENS) -> list[int]:
     """The oracle: each request run by itself on an otherwise idle engine."""
-    return _oracle(model).generate([list(prompt)], greedy(n))[0].token_ids
+    return _oracle(model).generate([list(prompt)], greedy(n))[0].outputs[0].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_prefix_cache_skips_the_shared_prefill():
     assert out.num_cached_tokens == 256
     fresh = LLM("tiny-llama3", **{**BASE, "max_num_batched_tokens": 128, "num_pages": 128, "max_model_len": 512,
                                   "page_buckets": (4, 32), "enable_prefix_caching": False})
-    assert fresh.generate([second], greedy(4))[0].token_ids == out.token_ids
+    assert fresh.generate([second], greedy(4))[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_aborts_mid_flight(alone):
@@ -295,7 +295,7 @@ def test_multi_step_decode_matches_single_steps():
     pages leak. The oracle is the same engine with ``num_scheduler_steps=1``."""
     ps = make_prompts(12, 8, 3, 60)
     single = LLM("tiny-llama3", **{**BASE, "num_scheduler_steps": 1})
-    free = single.generate([ps[0]], greedy(20))[0].token_ids
+    free = single.generate([ps[0]], greedy(20))[0].outputs[0].token_ids
     stop = free[6]  # met inside the second 4-token run
     params = [SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop,))] + [
         greedy(n) for n in (5, 13, 20)] + [

@@ -84,7 +84,7 @@ def test_penalties_compile_once_per_power_of_two():
     penalized = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
     llm.generate([[5, 6, 7]], penalized(20))  # its steps carry 0-19 generated tokens: the 16- and 32-slot variants
     before = llm.engine.num_compilations
-    assert llm.generate([[8, 9, 10]], penalized(30))[0].token_ids
+    assert llm.generate([[8, 9, 10]], penalized(30))[0].outputs[0].token_ids
     assert llm.engine.num_compilations == before
 
 
@@ -99,13 +99,13 @@ def test_executables_bounded_and_correct_after_eviction():
     maps stop growing, and steps recompiled after eviction give the same tokens."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, n).tolist() for n in (2, 15, 40, 90)]
-    ref = [o.token_ids for o in LLM("tiny-llama3", compilation_cache_dir="", **TINY).generate(prompts, GREEDY)]
+    ref = [o.outputs[0].token_ids for o in LLM("tiny-llama3", compilation_cache_dir="", **TINY).generate(prompts, GREEDY)]
     llm = LLM("tiny-llama3", compilation_cache_dir="", max_executables=2,
               token_buckets=(1, 4, 32), seq_buckets=(1, 4), page_buckets=(2, 8), **TINY)
     counts = []
     for _ in range(2):
         for p in prompts:  # alone: each prompt meets its own prefill and decode shapes
-            assert llm.generate([p], GREEDY)[0].token_ids == ref[prompts.index(p)]
+            assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == ref[prompts.index(p)]
             assert llm.engine.runner.compiler.num_executables <= 2
         counts.append(_maps())
     assert llm.engine.num_compilations > 2 * len(prompts), "the soak did not evict and recompile"
@@ -128,14 +128,14 @@ def test_background_warmup_compiles_the_plan_once_while_serving(tmp_path):
     prompts = [rng.integers(3, 500, n).tolist() for n in (3, 17, 30)]
     ref = LLM("tiny-llama3", compilation_cache_dir="", **TINY)
     ref.warmup(greedy_only=True)
-    want = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)]
     llm = LLM("tiny-llama3", compilation_cache_dir=str(tmp_path), **TINY)
     runner = llm.engine.runner
     plan = runner.warmup_plan(greedy_only=True)
     first = first_steps(plan, runner.buckets)
     assert 0 < len(first) < len(plan)
     llm.warmup(greedy_only=True, background=True)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
     llm.engine.wait_warmup()
     assert runner.compiler.num_executables == len(plan) == llm.engine.num_compilations
 

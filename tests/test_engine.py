@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import all_position_logits
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, StructuredOutputs
 from jaxinfer.batching.config import EngineConfig
 
 # float32 on every backend (bfloat16 is the accelerators' default): the exactness asserted below (1e-4 on
@@ -36,7 +36,7 @@ def full_logits(llm, ids):
 def test_greedy_matches_plain_forward(llm):
     """Engine greedy decoding (paged, bucketed, incremental) equals argmax over a full recompute."""
     p = prompts(1, (11,))[0]
-    out = llm.generate([p], GREEDY)[0]
+    out = llm.generate([p], GREEDY)[0].outputs[0]
     ids = list(p)
     for tok in out.token_ids[:8]:
         assert tok == int(np.argmax(full_logits(llm, ids)[-1]))
@@ -45,31 +45,31 @@ def test_greedy_matches_plain_forward(llm):
 
 def test_batched_equals_alone(llm):
     ps = prompts()
-    batched = llm.generate(ps, GREEDY)
+    batched = [o.outputs[0] for o in llm.generate(ps, GREEDY)]
     for p, b in zip(ps, batched):
-        assert llm.generate([p], GREEDY)[0].token_ids == b.token_ids
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == b.token_ids
         assert len(b.token_ids) == 24 and b.finish_reason == "length"
 
 
 def test_seeded_sampling_is_batch_invariant(llm):
     sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=40, min_p=0.01, seed=1234, ignore_eos=True)
     ps = prompts(2, (4, 30, 12))
-    batched = llm.generate(ps, sp)
-    alone = [llm.generate([p], sp)[0] for p in ps]
+    batched = [o.outputs[0] for o in llm.generate(ps, sp)]
+    alone = [llm.generate([p], sp)[0].outputs[0] for p in ps]
     assert [b.token_ids for b in batched] == [a.token_ids for a in alone]
-    other = llm.generate(ps[:1], SamplingParams(**{**sp.__dict__, "seed": 99}))[0]
+    other = llm.generate(ps[:1], SamplingParams(**{**sp.__dict__, "seed": 99}))[0].outputs[0]
     assert other.token_ids != alone[0].token_ids
 
 
 def test_unseeded_requests_differ(llm):
     sp = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
-    a, b = llm.generate([prompts()[0]] * 2, sp)
+    a, b = (o.outputs[0] for o in llm.generate([prompts()[0]] * 2, sp))
     assert a.token_ids != b.token_ids
 
 
 def test_logprobs_match_the_model(llm):
     p = prompts(3, (20,))[0]
-    out = llm.generate([p], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True))[0]
+    out = llm.generate([p], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 3
     lp = jax.nn.log_softmax(full_logits(llm, p + out.token_ids[:1])[-2:], axis=-1)
     for step in range(2):
@@ -82,16 +82,16 @@ def test_logprobs_match_the_model(llm):
 
 def test_stop_token_and_eos(llm):
     p = prompts(4, (10,))[0]
-    free = llm.generate([p], GREEDY)[0].token_ids
+    free = llm.generate([p], GREEDY)[0].outputs[0].token_ids
     stop_at = free[5]
     first = free.index(stop_at)
-    out = llm.generate([p], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_at,)))[0]
+    out = llm.generate([p], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_at,)))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == free[:first]
     # The model's EOS (id 2 in this config) ends generation unless ignore_eos.
     eos_prompt = [5, 6, 7]
     cfg_eos = llm.engine.model_config.eos_token_ids
     assert cfg_eos == (2,)
-    out = llm.generate([eos_prompt], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=cfg_eos))[0]
+    out = llm.generate([eos_prompt], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=cfg_eos))[0].outputs[0]
     assert 2 not in out.token_ids
 
 
@@ -99,6 +99,10 @@ def test_stop_token_and_eos(llm):
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
     (dict(logprobs=50), "logprobs"), (dict(seed=-1), "seed"), (dict(stop=[""]), "stop"),
+    (dict(n=0), "n must"), (dict(n=65), "n must"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(min_tokens=17), "min_tokens"), (dict(logit_bias={5: 101.0}), "logit_bias value"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias token id"),
+    (dict(min_tokens=1, structured=StructuredOutputs(choice=["a"])), "min_tokens cannot be combined"),
 ])
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -149,4 +153,63 @@ def test_bfloat16_runs(llm):
     bf = LLM("tiny-llama3", **{**OPTS, "dtype": "bfloat16"})
     assert bf.engine.runner.cache.k.dtype == jnp.bfloat16
     out = bf.generate(prompts()[:2], GREEDY)
-    assert all(len(o.token_ids) == 24 for o in out)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+
+
+def test_repetition_penalty_matches_its_definition(llm):
+    """Each greedy token with ``repetition_penalty`` is the argmax of the plain forward's logits with
+    vLLM's penalty applied over the prompt and the tokens so far (a seen token's positive logit
+    divided, a negative one multiplied), and the penalty changes the output."""
+    p = prompts(5, (40,))[0]
+    rp = 4.0
+    out = llm.generate([p], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                           repetition_penalty=rp))[0].outputs[0]
+    ids, changed = list(p), 0
+    for tok in out.token_ids:
+        x = full_logits(llm, ids)[-1]
+        seen = np.zeros(x.shape, bool)
+        seen[ids] = True
+        assert tok == int(np.argmax(np.where(seen, np.where(x > 0, x / rp, x * rp), x)))
+        changed += tok != int(np.argmax(x))
+        ids.append(tok)
+    assert changed  # the penalty decided some token
+
+
+def test_logit_bias_and_min_tokens(llm):
+    p = prompts(6, (9,))[0]
+    free = llm.generate([p], GREEDY)[0].outputs[0].token_ids
+    forced = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                              logit_bias={7: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [7] * 6
+    banned = llm.generate([p], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                              logit_bias={free[0]: -100.0}))[0].outputs[0]
+    assert free[0] not in banned.token_ids
+    # EOS (id 2) biased up ends at once; with min_tokens it is held back for that many tokens, which
+    # are then the greedy tokens of a run that never ends (EOS biased down)
+    eos_first = SamplingParams(max_tokens=24, temperature=0.0, logit_bias={2: 50.0})
+    assert llm.generate([p], eos_first)[0].outputs[0].token_ids == []
+    held = llm.generate([p], SamplingParams(**{**eos_first.__dict__, "min_tokens": 5}))[0].outputs[0]
+    no_eos = llm.generate([p], SamplingParams(max_tokens=5, temperature=0.0, logit_bias={2: -100.0}))[0].outputs[0]
+    assert held.token_ids == no_eos.token_ids and held.finish_reason == "stop"
+    with pytest.raises(ValueError, match="logit_bias token id 99999 is not below the vocabulary size"):
+        llm.generate([p], SamplingParams(logit_bias={99999: 1.0}))
+
+
+def test_n_completions_and_vllm_prompt_shapes(llm):
+    """``n`` completions of one prompt: seeded, choice j is the request alone with seed + j; the
+    outputs keep the prompts' order and shape (vLLM's ``RequestOutput``)."""
+    p = prompts(7, (10,))[0]
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=40, n=3, ignore_eos=True)
+    out, other = llm.generate([{"prompt_token_ids": p}, p[:5]], [sp, GREEDY])
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished and out.prompt is None
+    assert out.prompt_token_ids == p and len(other.outputs) == 1 and other.prompt_token_ids == p[:5]
+    for j, c in enumerate(out.outputs):
+        alone = llm.generate([p], SamplingParams(**{**sp.__dict__, "n": 1, "seed": 40 + j}))[0].outputs[0]
+        assert c.token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    logged = llm.generate([p], SamplingParams(max_tokens=3, temperature=0.0, logprobs=0, ignore_eos=True))[0]
+    c = logged.outputs[0]
+    assert c.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(c.logprobs, c.token_ids)))
+    assert llm.generate([p], GREEDY)[0].outputs[0].cumulative_logprob is None
+    with pytest.raises(ValueError, match="exactly one of 'prompt'"):
+        llm.generate([{"text": "x"}], GREEDY)

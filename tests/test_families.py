@@ -130,7 +130,7 @@ def test_greedy_batched_matches_transformers(family_dir):
               token_buckets=(4, 32), seq_buckets=(4,), page_buckets=(4,), num_pages=32)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(model, prompt, 32), f"{family} diverged on a {len(prompt)}-token prompt"
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32), f"{family} diverged on a {len(prompt)}-token prompt"
 
 
 # T * k <= E: gathered experts; more rows: grouped matmuls, or ("gpu") every expert densely
@@ -276,7 +276,7 @@ def test_server_serves_a_qwen2_checkpoint_with_chat_and_streaming(tmp_path, smol
     buckets = dict(token_buckets="2,64", seq_buckets="2", page_buckets="8")
     messages = [{"role": "user", "content": "Name three colors."}]
     expected = LLM(str(tmp_path), dtype="float32", **opts, token_buckets=(2, 64), seq_buckets=(2,), page_buckets=(8,)).chat(
-        messages, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].text
+        messages, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0].text
     assert expected
 
     srv = Server([f"--model={tmp_path}", "--dtype=float32", *(f"--{k}={v}" for k, v in {**opts, **buckets}.items())])

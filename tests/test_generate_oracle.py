@@ -44,8 +44,9 @@ def test_greedy_64_tokens_match_transformers_batched(llm, smollm2_hf):
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_greedy(smollm2_hf, out.prompt_token_ids, 64)
         assert len(ref) == 64
-        assert out.token_ids == ref, f"diverged on {prompt!r}"
-        assert out.text == llm.tokenizer.decode(ref, skip_special_tokens=True)
+        assert out.prompt == prompt and out.finished
+        assert out.outputs[0].token_ids == ref, f"diverged on {prompt!r}"
+        assert out.outputs[0].text == llm.tokenizer.decode(ref, skip_special_tokens=True)
 
 
 def test_streamed_deltas_concatenate_to_the_text(llm):
@@ -61,7 +62,18 @@ def test_streamed_deltas_concatenate_to_the_text(llm):
 
 def test_chat_template_and_stop_string(llm):
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    out = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0))[0]
+    out = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
-    cut = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0, stop=["aris"]))[0]
+    cut = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0, stop=["aris"]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == out.text[:out.text.index("aris")]
+
+
+def test_min_tokens_holds_back_stop_strings_and_eos(llm):
+    """``min_tokens``: neither a stop string nor the end of sequence ends the output before that many
+    tokens; until then the tokens are the free run's (greedy), EOS excepted."""
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    free = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
+    assert "aris" in free.text and free.finish_reason == "stop" and len(free.token_ids) < 12
+    held = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0, stop=["aris"], min_tokens=12))[0].outputs[0]
+    assert len(held.token_ids) >= 12 and held.token_ids[:len(free.token_ids)] == free.token_ids
+    assert held.text.startswith(free.text)

@@ -31,7 +31,7 @@ def greedy(n=16, **kw):
 
 @pytest.fixture(scope="module")
 def alone(llm):
-    return {p: llm.generate(p, greedy())[0] for p in PLAIN}
+    return {p: llm.generate(p, greedy())[0].outputs[0] for p in PLAIN}
 
 
 def run_joining(llm, first: list[tuple[str, SamplingParams]], later: list[tuple[str, SamplingParams]],
@@ -86,14 +86,14 @@ def test_top_k_bound_is_the_steps(llm):
         SamplingParams(top_k=2**31)
     # The largest top_k the boundary accepts runs, and keeps every token: the same sample as no top-k.
     kw = dict(max_tokens=12, temperature=1.0, seed=7)
-    top, none = llm.generate(PLAIN[0], [SamplingParams(top_k=MAX_TOP_K, **kw)])[0], \
-        llm.generate(PLAIN[0], [SamplingParams(top_k=0, **kw)])[0]
+    top, none = llm.generate(PLAIN[0], [SamplingParams(top_k=MAX_TOP_K, **kw)])[0].outputs[0], \
+        llm.generate(PLAIN[0], [SamplingParams(top_k=0, **kw)])[0].outputs[0]
     assert top.token_ids == none.token_ids
 
 
 def test_the_largest_choice_list_runs(llm):
     choices = tuple(f"option {i}" for i in range(MAX_CHOICES))
-    out = llm.generate("Pick an option:", greedy(8, structured=StructuredOutputs(choice=choices)))[0]
+    out = llm.generate("Pick an option:", greedy(8, structured=StructuredOutputs(choice=choices)))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text in choices
     with pytest.raises(ValueError, match=f"at most {MAX_CHOICES}"):
         StructuredOutputs(choice=choices + ("one more",))
@@ -150,7 +150,7 @@ MIXED = [(p, greedy(12)) for p in PLAIN] + [
 
 @pytest.fixture(scope="module")
 def mixed_alone(llm):
-    return [llm.generate(p, params)[0] for p, params in MIXED]
+    return [llm.generate(p, params)[0].outputs[0] for p, params in MIXED]
 
 
 @pytest.mark.parametrize("method, at, delete_cache", [("execute", 1, False), ("execute", 3, True),

@@ -129,7 +129,7 @@ def test_batched_preempted_and_prefix_cached_runs_match_alone(kv_cache_dtype, pa
         prompts, gap = make_prompts(2, 6, 1, 20, prefix=make_prompts(1, 1, 70, 71)[0]), 2
     done = drive(llm.engine, [(gap * i, p) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
-        assert done[f"r{i}"].token_ids == alone.generate([p], greedy())[0].token_ids, f"request {i} diverged"
+        assert done[f"r{i}"].token_ids == alone.generate([p], greedy())[0].outputs[0].token_ids, f"request {i} diverged"
     stats = llm.engine.stats()
     assert stats["preemptions" if path == "preempt-swap" else "prefix_cache_hits"] > 0
     assert_no_leak(llm.engine)

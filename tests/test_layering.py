@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxinfer"
 # beside the models; the KV cache's data layout (``paged.kv_cache``) beside the kernels that read and
 # write it; the names of the storage formats (``formats``, importing nothing) at the bottom.
 LAYERS = [
-    {"jaxinfer", "jaxinfer.llm", "jaxinfer.server", "jaxinfer.cli", "jaxinfer.__main__"},
+    {"jaxinfer", "jaxinfer.llm", "jaxinfer.outputs", "jaxinfer.server", "jaxinfer.cli", "jaxinfer.__main__"},
     {"jaxinfer.batching"},
     {"jaxinfer.models", "jaxinfer.quant", "jaxinfer.paged", "jaxinfer.sampling", "jaxinfer.sampling_params",
      "jaxinfer.tokenizer"},

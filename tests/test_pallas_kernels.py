@@ -510,7 +510,7 @@ def test_engine_greedy_with_interpreted_kernels_equals_reference(backend, monkey
         interpreted = interpreted_gpu_ops()
         monkeypatch.setattr(CpuBackend, "ops", lambda *_: interpreted)
     got = LLM("tiny-llama3", attention_backend=backend, **opts).generate(prompts, params)
-    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
 
 
 @pytest.mark.parametrize("greedy_only,batch", [(True, "mixed"), (False, "mixed"), (True, "decode_only")])
@@ -534,7 +534,7 @@ def test_gpu_step_has_no_host_synced_loops(greedy_only, batch):
     out = SchedulerOutput(
         request_ids=[f"s{i}" for i in range(len(work))], num_tokens=[n - c for n, c in work], starts=[c for _, c in work],
         token_ids=[t for n, c in work for t in range(3 + c, 3 + n)], page_tables=tables, params=[params] * len(work),
-        seeds=list(range(len(work))), output_index=[0] * len(work), penalty_tokens={}, proposals=[[]] * len(work))
+        seeds=list(range(len(work))), output_index=[0] * len(work), logit_terms={}, proposals=[[]] * len(work))
     x = runner.inputs.build(out)
     assert x.flags["greedy_only"] == greedy_only and x.md.decode_only == (batch == "decode_only")
     inputs, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))

@@ -663,7 +663,7 @@ def test_engine_runs_dummy_weights_quantized_at_load(scheme, loop):
     leaves = lambda llm: jax.tree.leaves(llm.engine.runner.weights, is_leaf=lambda x: isinstance(x, QArray))
     assert sum(isinstance(x, QArray) for x in leaves(quant)) >= 4 and not any(
         isinstance(x, QArray) for x in leaves(full))
-    a, b = full.generate([[5, 6, 7, 8]], params)[0], quant.generate([[5, 6, 7, 8]], params)[0]
+    a, b = full.generate([[5, 6, 7, 8]], params)[0].outputs[0], quant.generate([[5, 6, 7, 8]], params)[0].outputs[0]
     assert len(b.token_ids) == 4
     assert max(b.logprobs[0].values()) == pytest.approx(max(a.logprobs[0].values()), abs=0.2)
 

@@ -7,18 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import SamplingBatch, _bisected, _kept, _ordered, _sorted, argmax, sample
+from jaxinfer import sampling
+from jaxinfer.sampling import LogitTerms, SamplingBatch, _bisected, _kept, _ordered, _sorted, argmax, sample
 
 
 def batch(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0, presence=0.0, frequency=0.0,
-          pen=((0, 0, 0.0),)):
+          repetition=1.0, terms=()):
+    """``terms``: (row, token, count, seen, bias, until) entries (``LogitTerms``), padded to 16."""
     full = lambda v, dt: np.full(n, v, dt)
     seeds = np.arange(n, dtype=np.uint32) if seed is None else full(seed, np.uint32)
-    rows, toks, counts = (np.asarray(x) for x in zip(*pen))
+    t = LogitTerms.empty(n, 16)
+    for i, (row, token, count, seen, bias, until) in enumerate(terms):
+        t.rows[i], t.tokens[i], t.counts[i], t.seen[i], t.bias[i], t.until[i] = row, token, count, seen, bias, until
     return SamplingBatch(full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32),
                          full(min_p, np.float32), seeds, full(step, np.int32), full(presence, np.float32),
-                         full(frequency, np.float32), rows.astype(np.int32), toks.astype(np.int32),
-                         counts.astype(np.float32))
+                         full(frequency, np.float32), full(repetition, np.float32), t)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +129,7 @@ def test_filters_keep_the_tokens_at_or_above_their_thresholds():
     assert small_want.sum(1).tolist() == [*range(1, 9), *range(1, 9)]  # the small rows: each k, each top-p
     for (x, top_k, top_p, min_p), (want, probs) in zip(cases, references):
         b = batch(len(x))
-        b = SamplingBatch(b.temperature, top_k, top_p, min_p, *dataclasses.astuple(b)[4:])
+        b = dataclasses.replace(b, top_k=top_k, top_p=top_p, min_p=min_p)
         np.testing.assert_array_equal(np.asarray(jax.jit(_kept)(jnp.asarray(x), b)), want)  # this platform's path
         keys, k = _ordered(jnp.asarray(x)), jnp.where(top_k <= 0, len(x[0]), np.minimum(top_k, len(x[0])))
         for thresholds in (_bisected, _sorted):  # both paths, whatever this platform is
@@ -167,10 +170,50 @@ def test_penalties_push_away_from_generated_tokens():
     row = jnp.asarray([[2.0, 1.9, 0.0, -1.0]])
     plain = sample(row, batch(1, temperature=0.0)).tokens
     assert int(plain[0]) == 0
-    pen = batch(1, temperature=0.0, frequency=0.1, pen=((0, 0, 3.0),))  # 2.0 - 0.3 < 1.9
-    assert int(sample(row, pen, penalties=True).tokens[0]) == 1
-    pres = batch(1, temperature=0.0, presence=0.2, pen=((0, 0, 1.0),))  # 2.0 - 0.2 < 1.9
-    assert int(sample(row, pres, penalties=True).tokens[0]) == 1
+    pen = batch(1, temperature=0.0, frequency=0.1, terms=[(0, 0, 3.0, 0, 0, 0)])  # 2.0 - 0.3 < 1.9
+    assert int(sample(row, pen, logit_terms=True).tokens[0]) == 1
+    pres = batch(1, temperature=0.0, presence=0.2, terms=[(0, 0, 1.0, 0, 0, 0)])  # 2.0 - 0.2 < 1.9
+    assert int(sample(row, pres, logit_terms=True).tokens[0]) == 1
+
+
+def _reference_terms(logits, terms, step, rp, presence, frequency):
+    """vLLM's definitions, entry by entry in numpy: biases live while step < until; then a seen token's
+    positive logit divided by the repetition penalty and a negative one multiplied; frequency per
+    count, presence once."""
+    x = np.array(logits, np.float64)
+    counts, seen = np.zeros_like(x), np.zeros(x.shape, bool)
+    for row, token, count, s, bias, until in terms:
+        if step[row] < until:
+            x[row, token] += bias
+        counts[row, token] += count
+        seen[row, token] |= s > 0
+    x = np.where(seen, np.where(x > 0, x / rp[:, None], x * rp[:, None]), x)
+    return x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def test_logit_terms_match_their_definitions():
+    """Every term at once on several rows, duplicates included (two entries of one token add up), and
+    a bias past its ``until`` gone: the adjusted logits equal the numpy definitions, and greedy
+    sampling picks their argmax."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 12)).astype(np.float32) * 2
+    terms = [(0, 3, 2.0, 1, 0.0, 0), (0, 3, 0.0, 1, 1.5, 99), (0, 5, 0.0, 1, 0.0, 0), (1, 7, 0.0, 0, -np.inf, 4),
+             (1, 2, 0.0, 0, 40.0, 2), (2, 1, 1.0, 1, 0.0, 0), (2, 9, 0.0, 0, -3.0, 10)]
+    b = batch(3, temperature=0.0, presence=0.3, frequency=0.2, repetition=1.7, terms=terms)
+    b.step = np.asarray([0, 3, 5], np.int32)  # row 1: the bias on token 2 (until 2) is over, -inf on 7 is not
+    got = jax.jit(lambda x, sb: sampling._apply_terms(x, sb))(jnp.asarray(logits), b)
+    want = _reference_terms(logits, terms, b.step, b.repetition_penalty, b.presence_penalty, b.frequency_penalty)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    assert np.isneginf(np.asarray(got)[1, 7]) and np.asarray(got)[1, 2] == pytest.approx(logits[1, 2])
+    # and the step samples from them: greedy picks are the adjusted argmax
+    np.testing.assert_array_equal(sample(jnp.asarray(logits), b, logit_terms=True).tokens, np.argmax(want, -1))
+
+
+def test_padding_terms_change_nothing():
+    """Padding entries carry an out-of-range row: a step with only padding equals one without terms."""
+    logits = jax.random.normal(jax.random.key(3), (4, 30)) * 3
+    b = batch(4, seed=5, repetition=1.9, presence=1.0, frequency=1.0)
+    np.testing.assert_array_equal(sample(logits, b, logit_terms=True).tokens, sample(logits, b).tokens)
 
 
 @pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0, 0.0), (0.0, 0.8, 0.0, 1.3), (0.7, 0.8, 1.0, 1.3)])

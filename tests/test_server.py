@@ -195,6 +195,23 @@ def test_n_and_seed(client):
     assert len({c.text for c in unseeded.choices}) > 1
 
 
+def test_vllm_sampling_fields(server, client, smollm2_tokenizer):
+    """vLLM's request fields take effect: ``logit_bias`` forces a token, ``min_tokens`` holds a stop
+    string back, ``repetition_penalty`` is accepted; an unknown field is named in ``X-Ignored-Fields``."""
+    yes = smollm2_tokenizer.encode(" yes")
+    assert len(yes) == 1
+    forced = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(yes[0]): 100})
+    assert forced.choices[0].text == " yes" * 4
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stop": [" "]}
+    cut = post(server.url, "/v1/completions", body)
+    assert cut.json()["usage"]["completion_tokens"] < 8 and "x-ignored-fields" not in cut.headers
+    held = post(server.url, "/v1/completions", {**body, "min_tokens": 8, "repetition_penalty": 1.3, "foo": 1})
+    assert held.status_code == 200 and held.headers["x-ignored-fields"] == "foo"
+    assert held.json()["usage"]["completion_tokens"] == 8  # the stop string waited for the 8th token
+    assert held.json()["choices"][0]["text"].startswith(cut.json()["choices"][0]["text"] + " ")
+
+
 def test_concurrent_streams_match_alone(server, client):
     alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
              for p in PROMPTS}
@@ -288,6 +305,13 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "n must be"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias", "vocabulary size 49152"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "<= 100"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", "[0, 4]"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens", "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "alloy"}}, 400, "audio", "not supported"),
     ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt", "token ids"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 5}, 400, "top_p", "top_p"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),

@@ -151,7 +151,7 @@ def test_stops_and_max_tokens_inside_a_proposal():
     assert got[2].token_ids == full[2][:8] and len(got[2].logprobs) == 8
     assert got[3].token_ids == full[3]
     # logprobs of accepted tokens are the target's (those of the run without speculation)
-    plain = LLM(MODEL, **BASE).generate([prompts[2]], params[2])[0]
+    plain = LLM(MODEL, **BASE).generate([prompts[2]], params[2])[0].outputs[0]
     for a, b in zip(got[2].logprobs, plain.logprobs):
         assert a.keys() == b.keys()
         np.testing.assert_allclose([a[t] for t in b], [b[t] for t in b], atol=1e-4)
@@ -197,7 +197,7 @@ def test_discarded_step_after_a_rejection(case):
     llm = spec_llm(3, speculative_overlap=True)
     before = llm.engine.stats()["spec_discarded"]
     got = run_batch(llm, [prompt], [params], Scripted({tuple(prompt): full}, wrong_at=6))[0]
-    want = LLM(MODEL, **BASE).generate([prompt], params)[0] if case == "logprobs" else None
+    want = LLM(MODEL, **BASE).generate([prompt], params)[0].outputs[0] if case == "logprobs" else None
     expected = {"max_tokens": full[:10], "stop": full[:full.index(stop)]}.get(case, full)
     assert got.token_ids == expected
     if want is not None:
@@ -285,7 +285,7 @@ def test_seeded_sampling_repeats_with_speculation(overlap):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
     llm = spec_llm(5, speculative_overlap=overlap)
     llm.engine.proposer = NgramProposer(1, 2)
-    runs = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
+    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
@@ -314,7 +314,7 @@ def test_sampling_with_discarded_steps_keeps_the_distribution():
 
     def sample(llm, seeds):
         params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=int(s), ignore_eos=True) for s in seeds]
-        return np.asarray([o.token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)])
+        return np.asarray([o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)])
 
     plain = sample(LLM(MODEL, **BASE), range(n))
     llm = spec_llm(1, speculative_overlap=True)

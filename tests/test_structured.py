@@ -33,8 +33,9 @@ def greedy(n=48, **kw):
 def test_json_schemas_every_output_validates(llm):
     assert len(SCHEMAS) >= 15
     cases = [(c, f"JSON describing {t}:") for c in SCHEMAS for t in ("a customer", "a city", "a recipe")]
-    outs = llm.generate([p for _, p in cases], [greedy(192, structured=StructuredOutputs(json=c["schema"]))
-                                                for c, _ in cases])
+    outs = [o.outputs[0] for o in llm.generate([p for _, p in cases],
+                                               [greedy(192, structured=StructuredOutputs(json=c["schema"]))
+                                                for c, _ in cases])]
     checker = jsonschema.FormatChecker()
     for (case, prompt), out in zip(cases, outs):
         assert out.finish_reason == "stop", (case["name"], prompt, out.text)
@@ -83,7 +84,7 @@ def test_regex_choice_grammar_and_json_object_outputs_match(llm):
     sampled = dict(temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, presence_penalty=0.5, frequency_penalty=0.5)
     params = [SamplingParams(max_tokens=64, structured=k, **({} if i % 2 else dict(temperature=0.0)),
                              **(dict(sampled, seed=i) if i % 2 else {})) for i, k in enumerate(kinds)]
-    outs = llm.generate(prompts, params)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for r, out in zip(regexes, outs[:3]):
         assert re.fullmatch(r, out.text), (r, out.text)
     for c, out in zip(choices, outs[3:6]):
@@ -95,10 +96,10 @@ def test_regex_choice_grammar_and_json_object_outputs_match(llm):
 
 def test_max_tokens_and_stop_strings_cut_constrained_output(llm):
     schema = SCHEMAS[0]["schema"]
-    full, cut, stopped = llm.generate(["JSON describing a customer:"] * 3, [
+    full, cut, stopped = (o.outputs[0] for o in llm.generate(["JSON describing a customer:"] * 3, [
         greedy(64, structured=StructuredOutputs(json=schema)),
         greedy(5, structured=StructuredOutputs(json=schema), logprobs=2),
-        greedy(64, structured=StructuredOutputs(json=schema), stop=['"age"'])])
+        greedy(64, structured=StructuredOutputs(json=schema), stop=['"age"'])]))
     assert full.finish_reason == "stop" and '"age"' in full.text
     assert cut.finish_reason == "length" and cut.token_ids == full.token_ids[:5]
     assert [len(lp) >= 1 and t in lp for t, lp in zip(cut.token_ids, cut.logprobs)] == [True] * 5
@@ -111,7 +112,7 @@ def test_free_requests_unchanged_by_constrained_neighbours(llm):
     constrained = [greedy(48, structured=StructuredOutputs(json=c["schema"])) for c in SCHEMAS[:4]]
     mixed = llm.generate([p for pair in zip(free, TOPICS) for p in pair],
                          [p for pair in zip([greedy(24, ignore_eos=True)] * 4, constrained) for p in pair])
-    assert [o.token_ids for o in mixed[0::2]] == [o.token_ids for o in alone]
+    assert [o.outputs[0].token_ids for o in mixed[0::2]] == [o.outputs[0].token_ids for o in alone]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def preemption_case(llm):
     params = [SamplingParams(max_tokens=48, structured=StructuredOutputs(json=s),
                              **(dict(temperature=0.8, seed=i) if i % 2 else dict(temperature=0.0)))
               for i, s in enumerate(schemas)]
-    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     return prompts, params, schemas, alone
 
 
@@ -138,9 +139,9 @@ def test_preemption_keeps_matcher_state_exact(preemption_case, mode):
                                    "preemption_mode": mode})
     together = small.generate(prompts, params)
     assert small.engine.stats()["preemptions"] > 0, "the pool was meant to force preemption"
-    assert [o.token_ids for o in together] == alone
+    assert [o.outputs[0].token_ids for o in together] == alone
     for o, s in zip(together, schemas):
-        jsonschema.validate(json.loads(o.text), s)
+        jsonschema.validate(json.loads(o.outputs[0].text), s)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -180,7 +181,7 @@ def test_structured_warmup_compiles_every_constrained_step():
     outs = llm.generate(["A JSON object:", "Yes or no?", "Hello"], [
         greedy(16, structured=StructuredOutputs(json_object=True)),
         greedy(4, structured=StructuredOutputs(choice=["yes", "no"])), greedy(4)])
-    assert outs[1].text in ("yes", "no")
+    assert outs[1].outputs[0].text in ("yes", "no")
     assert llm.engine.num_compilations == compiled
 
 

@@ -109,7 +109,7 @@ def _stream(plan, text, pieces, parser="hermes", finish="stop"):
     reply not streamed)."""
     import types
 
-    from jaxinfer.batching.outputs import RequestOutput
+    from jaxinfer.batching.outputs import EngineOutput
     from jaxinfer.server.serving import _ChatRenderer
 
     serving = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=None))
@@ -118,10 +118,10 @@ def _stream(plan, text, pieces, parser="hermes", finish="stop"):
     chunks = []
     for pos in range(0, len(text), pieces):
         last = pos + pieces >= len(text)
-        chunks += render.delta(0, RequestOutput("r", [], text[:pos + pieces], [], last, finish if last else None,
-                                                delta_text=text[pos:pos + pieces]))
+        chunks += render.delta(0, EngineOutput("r", [], text[:pos + pieces], [], last, finish if last else None,
+                                               delta_text=text[pos:pos + pieces]))
     whole = _ChatRenderer(serving, req, plan, tool_parsers.PARSERS[parser]).choice(
-        0, RequestOutput("r", [], text, [], True, finish))
+        0, EngineOutput("r", [], text, [], True, finish))
     return chunks, whole
 
 

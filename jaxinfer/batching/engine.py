@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.batching.buckets import Buckets, geometric
 from jaxinfer.batching.inflight import DispatchedStep
 from jaxinfer.batching.model_runner import ModelRunner
-from jaxinfer.batching.outputs import OutputProcessor, RequestOutput
+from jaxinfer.batching.outputs import EngineOutput, OutputProcessor
 from jaxinfer.batching.request import Request, RequestError, Status
 from jaxinfer.batching.resolve import ResolvedConfig
 from jaxinfer.batching.scheduler import Scheduler
@@ -26,7 +26,7 @@ from jaxinfer.batching.speculative import Proposer
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.pooling import POOLING
 from jaxinfer.sampling import VerifyResult
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, check_logit_bias
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class LLMEngine:
                              f"got {params.logprobs}")
         if params.structured is not None and self._multihost:
             raise ValueError("structured outputs are not supported over several processes")
+        check_logit_bias(params, self.model_config.vocab_size)
         ids = self.encode(prompt)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
         req = Request(request_id, ids, params, seed, priority=priority, arrival_index=self._arrivals)
@@ -169,7 +170,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------- the step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Dispatch the next step and read the previous one (``_step``). A step that fails as a whole
         (the device, the runtime, a compilation) is recovered from, not raised: every request goes back
         to its known tokens and is computed again (``Scheduler.recover``), so none is lost or changed;
@@ -184,7 +185,7 @@ class LLMEngine:
             outputs += self._recover(e)
         return outputs
 
-    def _recover(self, error: Exception) -> list[RequestOutput]:
+    def _recover(self, error: Exception) -> list[EngineOutput]:
         s = self.scheduler
         ids = [rid for step in s.inflight.steps for rid in step.out.request_ids]
         ids += self._scheduled.request_ids if self._scheduled is not None else []
@@ -197,7 +198,7 @@ class LLMEngine:
             self.processor.resync(req)
         return [self._output(req) for req in failed]
 
-    def _step(self, outputs: list[RequestOutput]) -> None:
+    def _step(self, outputs: list[EngineOutput]) -> None:
         """Dispatch the next step, then read the previous one's tokens while the device works (into
         ``outputs``, which keeps what was read should a later part of the step fail).
 
@@ -272,7 +273,7 @@ class LLMEngine:
             outputs += self._read(previous)
         self._host_time += host
 
-    def _read(self, step: DispatchedStep, advanced=None) -> list[RequestOutput]:
+    def _read(self, step: DispatchedStep, advanced=None) -> list[EngineOutput]:
         """Turn a dispatched step's sampled tokens into outputs (blocks until the device has them);
         ``advanced`` is called once the constrained requests' matchers have taken their tokens."""
         host = self.runner.fetch(step.result, any(step.requests[i].params.logprobs is not None for i in step.sampled))
@@ -282,7 +283,7 @@ class LLMEngine:
         self._host_time += time.perf_counter() - t0
         return outputs
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> EngineOutput:
         """The processor's output for ``req``, or the request failed alone where making it raised (a
         detokenizer bug must not fail the step of every request beside it)."""
         try:
@@ -293,8 +294,8 @@ class LLMEngine:
             if req.status is not Status.FINISHED:
                 self.scheduler.finish(req, "error", error)
             self.processor.drop(req.request_id)
-            return RequestOutput(req.request_id, req.prompt_token_ids, "", list(req.output_token_ids), True, "error",
-                                 error=error)
+            return EngineOutput(req.request_id, req.prompt_token_ids, "", list(req.output_token_ids), True, "error",
+                                error=error)
 
     def _speculate_now(self) -> bool:
         """Whether this step speculates: not above ``speculative_max_num_seqs`` running requests, where

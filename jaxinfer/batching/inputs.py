@@ -15,9 +15,10 @@ import numpy as np
 from jaxinfer.batching.buckets import Buckets
 from jaxinfer.batching.step_io import SchedulerOutput
 from jaxinfer.paged.kv_cache import BatchMetadata
-from jaxinfer.sampling import SamplingBatch
+from jaxinfer.sampling import LogitTerms, SamplingBatch
 
-PENALTY_SLOTS = 16  # the smallest bucket of a step's (row, token, count) penalty triples
+TERM_SLOTS = 16  # the smallest bucket of a step's logit terms (``sampling.LogitTerms``)
+_ALWAYS = np.iinfo(np.int32).max  # a bias's ``until``: every step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +70,12 @@ class InputBuilder:
         self.max_logprobs = max_logprobs
         self.greedy_in_step = greedy_in_step
 
-    def flags(self, greedy: bool, num_logprobs: int | None = None, penalties: bool = False) -> dict:
+    def flags(self, greedy: bool, num_logprobs: int | None = None, logit_terms: bool = False) -> dict:
         """The static flags a step compiles for: whether every row is greedy (``None`` where the step
-        decides: ``Backend.greedy_in_step``), the logprobs it returns and whether it applies penalties."""
+        decides: ``Backend.greedy_in_step``), the logprobs it returns and whether it applies the rows'
+        logit terms (penalties, bias: ``sampling.LogitTerms``)."""
         return dict(greedy_only=None if self.greedy_in_step else greedy, num_logprobs=num_logprobs,
-                    penalties=penalties)
+                    logit_terms=logit_terms)
 
     def build(self, out: SchedulerOutput) -> StepInputs:
         """Host arrays for one step. A verifying step (``out.num_speculative`` k > 0) feeds each row's
@@ -130,15 +132,7 @@ class InputBuilder:
             return col
 
         params = out.params
-        pen_rows, pen_tokens, pen_counts = [], [], []
-        for i, generated in out.penalty_tokens.items():
-            ids, c = np.unique(np.asarray(generated, np.int32), return_counts=True)
-            pen_rows += [i] * len(ids)
-            pen_tokens += ids.tolist()
-            pen_counts += c.tolist()
-        # a power of two: each count of triples past 16 was its own step shape (a compile per request)
-        slots_k = max(PENALTY_SLOTS, 1 << (len(pen_rows) - 1).bit_length())
-        pad = [0] * (slots_k - len(pen_rows))
+        terms = logit_terms(out, s_pad)
         sb = SamplingBatch(
             temperature=column([p.temperature for p in params], np.float32),
             top_k=column([p.top_k for p in params], np.int32),
@@ -148,15 +142,15 @@ class InputBuilder:
             step=column(out.output_index, np.int32),
             presence_penalty=column([p.presence_penalty for p in params], np.float32),
             frequency_penalty=column([p.frequency_penalty for p in params], np.float32),
-            penalty_rows=np.asarray(pen_rows + pad, np.int32), penalty_tokens=np.asarray(pen_tokens + pad, np.int32),
-            penalty_counts=np.asarray(pen_counts + pad, np.float32), proposals=proposals)
+            repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
+            terms=terms, proposals=proposals)
         flags = self.flags(all(p.temperature == 0 for p in params),
                            self.max_logprobs if any(p.logprobs is not None for p in params) else None,
-                           bool(pen_rows))
+                           bool(out.logit_terms))
         return StepInputs(tokens, positions, md, sb, flags)
 
     def placeholder(self, shape: tuple[int, int, int], decode_only: bool,
-                    penalty_slots: int = PENALTY_SLOTS) -> StepInputs:
+                    term_slots: int = TERM_SLOTS) -> StepInputs:
         """Inputs of the given ``(tokens, seqs, pages)`` shape that compute nothing: every slot is
         dropped (warm-up compiles a step for them without running it; followers of a multi-process
         run take the layout of the step they are sent from it)."""
@@ -164,4 +158,32 @@ class InputBuilder:
         tokens = np.zeros(t, np.int32)
         md = BatchMetadata(np.full(t, self.dropped_slot, np.int32), np.zeros((s, p), np.int32), np.zeros(s, np.int32),
                            np.zeros(s + 1, np.int32), np.zeros(s, np.int32), decode_only=decode_only)
-        return StepInputs(tokens, tokens, md, SamplingBatch.greedy(s, penalty_slots), {})
+        return StepInputs(tokens, tokens, md, SamplingBatch.greedy(s, term_slots), {})
+
+
+def logit_terms(out: SchedulerOutput, rows: int) -> LogitTerms:
+    """The step's logit terms, one entry per (row, token) term (duplicates add up on device), padded
+    to a power of two: each count of entries past 16 was its own step shape, a compile per request."""
+    parts = []  # (row, tokens, counts, seen, bias, until) per group of entries
+    for i, t in out.logit_terms.items():
+        p = out.params[i]
+        if len(t.generated):
+            ids, c = np.unique(np.asarray(t.generated, np.int32), return_counts=True)
+            parts.append((i, ids, c, float(p.repetition_penalty != 1.0), 0.0, 0))
+        if len(t.prompt):
+            parts.append((i, np.unique(np.asarray(t.prompt, np.int32)), 0, 1.0, 0.0, 0))
+        if p.logit_bias:
+            parts.append((i, np.fromiter(p.logit_bias, np.int32), 0, 0.0,
+                          np.fromiter(p.logit_bias.values(), np.float32), _ALWAYS))
+        if len(t.held):
+            parts.append((i, np.asarray(t.held, np.int32), 0, 0.0, -np.inf, p.min_tokens))
+    n = sum(len(ids) for _, ids, *_ in parts)
+    k = max(TERM_SLOTS, 1 << (n - 1).bit_length())
+    terms = LogitTerms.empty(rows, k)
+    at = 0
+    for row, ids, counts, seen, bias, until in parts:
+        sl = slice(at, at + len(ids))
+        terms.rows[sl], terms.tokens[sl], terms.counts[sl] = row, ids, counts
+        terms.seen[sl], terms.bias[sl], terms.until[sl] = seen, bias, until
+        at += len(ids)
+    return terms

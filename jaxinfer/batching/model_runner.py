@@ -112,7 +112,7 @@ def step_functions(mesh=None, kv_quantized: bool = False) -> StepFunctions:
         rep, kv = sharding.replicated(mesh), sharding.cache_sharding(mesh, kv_quantized)
         step_kw = dict(out_shardings=(rep, kv, rep))
         forward_kw, sample_kw = dict(out_shardings=(rep, kv)), dict(out_shardings=(rep, rep))
-    flags = ("spec", "packing", "greedy_only", "num_logprobs", "penalties")
+    flags = ("spec", "packing", "greedy_only", "num_logprobs", "logit_terms")
     return StepFunctions(
         step=jax.jit(_step_fn, static_argnames=flags, donate_argnums=(1,), compiler_options=_COMPILER_OPTIONS,
                      **step_kw),
@@ -123,13 +123,13 @@ def step_functions(mesh=None, kv_quantized: bool = False) -> StepFunctions:
         sample=jax.jit(_sample_fn, static_argnames=flags, **sample_kw))
 
 
-def _step_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, penalties):
+def _step_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, logit_terms):
     tokens, positions, md, sb = unpack_inputs(inputs, packing)
-    log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s penalties=%s",
+    log.info("compiling step: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s logprobs=%s logit_terms=%s",
              tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only,
-             num_logprobs, penalties)
+             num_logprobs, logit_terms)
     logits, cache = _forward_tokens(spec, weights, cache, prev_tokens, tokens, positions, md)
-    kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties)
+    kw = dict(greedy_only=greedy_only, num_logprobs=num_logprobs, logit_terms=logit_terms)
     if sb.proposals is not None:  # speculative: logits at every proposed position
         s = sb.proposals.shape[0]
         result = verify(logits.reshape(s, -1, logits.shape[-1]), sb, **kw)
@@ -141,16 +141,16 @@ def _step_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only,
     return result, cache, _as_last_tokens(result.tokens, prev_tokens)
 
 
-def _multi_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, penalties,
+def _multi_fn(weights, cache, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, logit_terms,
               num_steps):
     """``num_steps`` decode steps of a decode-only batch in one executable (``num_scheduler_steps``):
     each iteration feeds every sequence one token, writes its K/V into the slot after the last
     (pages the scheduler reserved ahead), samples the next token (output index ``step + i``: the
     same key as a step of its own would use) and feeds it to the next. Returns the tokens (and
     logprobs, if asked) with a ``num_steps`` axis after the sequences'. The host's dispatch, input
-    and output work is then paid once per ``num_steps`` tokens. Not with penalties (their counts
+    and output work is then paid once per ``num_steps`` tokens. Not with logit terms (penalty counts
     would change inside the run)."""
-    assert not penalties
+    assert not logit_terms
     tokens, positions, md, sb = unpack_inputs(inputs, packing)
     log.info("compiling %d-step decode: tokens=%d seqs=%d pages=%d decode_only=%s greedy_only=%s", num_steps,
              tokens.shape[0], md.page_table.shape[0], md.page_table.shape[1], md.decode_only, greedy_only)
@@ -190,9 +190,9 @@ def _forward_fn(weights, cache, prev_tokens, inputs, *, spec, packing):
     return _forward_tokens(spec, weights, cache, prev_tokens, tokens, positions, md)
 
 
-def _sample_fn(logits, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, penalties):
+def _sample_fn(logits, prev_tokens, inputs, *, spec, packing, greedy_only, num_logprobs, logit_terms):
     sb, bitmask = unpack_inputs(inputs, packing)
-    result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, penalties=penalties,
+    result = sample(logits, sb, greedy_only=greedy_only, num_logprobs=num_logprobs, logit_terms=logit_terms,
                     bitmask=bitmask)
     return result, _as_last_tokens(result.tokens, prev_tokens)
 
@@ -248,7 +248,7 @@ class ModelRunner:
             steps = out.num_steps if exe is not None else 1
         if exe is None:
             if self._on_dispatch is not None:
-                self._on_dispatch(inputs, (x.tokens.shape[0], *x.md.page_table.shape, x.sb.penalty_rows.shape[0]),
+                self._on_dispatch(inputs, (x.tokens.shape[0], *x.md.page_table.shape, x.sb.terms.rows.shape[0]),
                                   x.md.decode_only, x.flags, True)
             exe = self.compiler.get(self._step, args, packing, x.flags)
         result, self.cache, self.last_tokens = exe(*args)
@@ -299,7 +299,7 @@ class ModelRunner:
     def run_sent(self, inputs: np.ndarray, shape: tuple[int, int, int, int], decode_only: bool, flags: dict,
                  feeds_next: bool) -> None:
         """Run a step another process dispatched (a follower of a multi-process run: ``multihost``)."""
-        x = self.inputs.placeholder(shape[:3], decode_only, penalty_slots=shape[3])
+        x = self.inputs.placeholder(shape[:3], decode_only, term_slots=shape[3])
         _, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))
         args = (self.weights, self.cache, self.last_tokens, inputs)
         _, self.cache, last = self.compiler.get(self._step, args, packing, flags)(*args)

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 _STOP, _STEP = 0, 1
-# cmd, buffer length, tokens, seqs, pages, penalty slots, decode_only, greedy_only (-1: None),
-# num_logprobs (-1: None), penalties, whether the step's sampled tokens feed the next step (engine steps; not warm-up)
+# cmd, buffer length, tokens, seqs, pages, logit term slots, decode_only, greedy_only (-1: None),
+# num_logprobs (-1: None), logit_terms, whether the step's sampled tokens feed the next step (engine steps; not warm-up)
 _HEADER = 11
 
 
@@ -49,11 +49,11 @@ def _broadcast(x: np.ndarray) -> np.ndarray:
 
 def send_step(inputs: np.ndarray, shape: tuple[int, int, int, int], decode_only: bool, flags: dict,
               feeds_next: bool) -> None:
-    """Process 0: tell the followers to run this step (``shape``: tokens, seqs, pages, penalty slots)."""
+    """Process 0: tell the followers to run this step (``shape``: tokens, seqs, pages, logit term slots)."""
     lp = flags["num_logprobs"]
     header = np.asarray([_STEP, inputs.size, *shape, decode_only,
                          -1 if flags["greedy_only"] is None else flags["greedy_only"], -1 if lp is None else lp,
-                         flags["penalties"], feeds_next], np.int32)
+                         flags["logit_terms"], feeds_next], np.int32)
     _broadcast(header)
     _broadcast(inputs)
 
@@ -69,7 +69,7 @@ def receive_step():
         return None
     inputs = _broadcast(np.zeros(h[1], np.int32))
     flags = dict(greedy_only=None if h[7] < 0 else bool(h[7]), num_logprobs=None if h[8] < 0 else h[8],
-                 penalties=bool(h[9]))
+                 logit_terms=bool(h[9]))
     return inputs, tuple(h[2:6]), bool(h[6]), flags, bool(h[10])
 
 

@@ -1,5 +1,5 @@
 """The output side of the engine: each request's text (incremental detokenization, stop strings
-held back and cut) and the ``RequestOutput`` a step reports for it.
+held back and cut) and the ``EngineOutput`` a step reports for it.
 
 The scheduler appends tokens to requests; as it does, it asks this processor whether the text now
 holds a stop string (``add_token``). The processor owns only text state; a request's tokens, status
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class RequestOutput:
+class EngineOutput:
     """A request's state after a step: the whole text so far plus what is new since the last one."""
 
     request_id: str
@@ -45,6 +45,7 @@ class _Text:
     emitted_tokens: int = 0
     stopped: bool = False  # the text was cut at a stop string: nothing is left to flush
     num_tokens: int = 0  # output tokens the text was made from
+    stops_from: int = 0  # characters of ``text`` made before ``min_tokens`` was reached
 
 
 class OutputProcessor:
@@ -67,7 +68,9 @@ class OutputProcessor:
         if t.detok is not None:
             t.text += t.detok.add(token)
         stops = req.params.stop
-        if stops and self._find_stop(t, stops):
+        if t.num_tokens < req.params.min_tokens:
+            t.stops_from = len(t.text)  # a stop string counts only where it ends past the first min_tokens
+        elif stops and self._find_stop(t, stops):
             t.stopped = True
         return t.stopped
 
@@ -86,7 +89,7 @@ class OutputProcessor:
         fresh.emitted, fresh.emitted_tokens = min(t.emitted, len(fresh.text)), min(t.emitted_tokens, fresh.num_tokens)
         self._texts[req.request_id] = fresh
 
-    def output(self, req: Request) -> RequestOutput:
+    def output(self, req: Request) -> EngineOutput:
         """What ``req`` has new since its last output (its last, if it finished: the text flushed and
         the processor's state for it dropped)."""
         t = self._texts[req.request_id]
@@ -102,16 +105,16 @@ class OutputProcessor:
         delta, t.emitted = t.text[t.emitted:visible], visible
         new_ids = req.output_token_ids[t.emitted_tokens:]
         t.emitted_tokens = len(req.output_token_ids)
-        return RequestOutput(req.request_id, req.prompt_token_ids, t.text, list(req.output_token_ids), finished,
-                             req.finish_reason, delta, new_ids,
-                             list(req.output_top_logprobs) if req.params.logprobs is not None else None,
-                             req.num_cached_tokens, req.error)
+        return EngineOutput(req.request_id, req.prompt_token_ids, t.text, list(req.output_token_ids), finished,
+                            req.finish_reason, delta, new_ids,
+                            list(req.output_top_logprobs) if req.params.logprobs is not None else None,
+                            req.num_cached_tokens, req.error)
 
     @staticmethod
     def _find_stop(t: _Text, stops: tuple[str, ...]) -> bool:
         window = max(len(s) for s in stops) + 16
         start = max(0, min(t.emitted, len(t.text) - window))
-        hits = [i for i in (t.text.find(s, start) for s in stops) if i >= 0]
+        hits = [i for i in (t.text.find(s, max(start, t.stops_from - len(s) + 1)) for s in stops) if i >= 0]
         if hits:
             t.text = t.text[:min(hits)]
         return bool(hits)

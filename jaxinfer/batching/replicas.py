@@ -15,7 +15,7 @@ Requests go to the replica with the fewest unfinished requests (ties: the lowest
 from __future__ import annotations
 
 from jaxinfer.batching.engine import LLMEngine
-from jaxinfer.batching.outputs import RequestOutput
+from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.sampling_params import SamplingParams
 
 _SUMMED = ("running", "waiting", "preempted", "kv_pages_used", "kv_pages_total", "prefix_cache_pages",
@@ -55,7 +55,7 @@ class ReplicatedEngine:
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.replicas)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         outputs = []
         for engine in self.replicas:
             for out in engine.step():

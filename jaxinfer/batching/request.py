@@ -118,5 +118,5 @@ class Request:
 
     @property
     def penalized(self) -> bool:
-        """Presence or frequency penalties: the step needs every generated token on the host."""
-        return bool(self.params.presence_penalty or self.params.frequency_penalty)
+        """Presence, frequency or repetition penalties: the step needs every generated token on the host."""
+        return self.params.penalized

@@ -32,7 +32,7 @@ from jaxinfer.batching.inflight import DispatchedStep, InFlight
 from jaxinfer.batching.kv_manager import KVCacheManager
 from jaxinfer.batching.request import SAMPLED, Request, RequestError, Status
 from jaxinfer.batching.speculative import Proposer
-from jaxinfer.batching.step_io import ModelRunnerOutput, SchedulerOutput
+from jaxinfer.batching.step_io import ModelRunnerOutput, RowTerms, SchedulerOutput
 from jaxinfer.batching.structured import Matchers
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class Scheduler:
 
     def _output(self, reqs: list[Request], counts: list[int], num_steps: int) -> SchedulerOutput:
         """The step as the runner takes it (one pass over the scheduled requests)."""
-        token_ids, pens = [], {}
+        token_ids, terms = [], {}
         for i, (r, n) in enumerate(zip(reqs, counts)):
             fed = r.step_inputs(r.num_computed_tokens, n)
             if SAMPLED in fed:  # the token the last step sampled, still on device
@@ -221,17 +221,25 @@ class Scheduler:
                 assert r.num_computed_tokens + j == r.num_tokens - 1
                 fed[j] = self.inflight.device_fed(r)
             token_ids += fed
-            if r.penalized:
-                pens[i] = r.output_token_ids
+            if r.params.adjusts_logits:
+                terms[i] = self._row_terms(r)
         proposals = [r.draft_token_ids for r in reqs]
         return SchedulerOutput(
             request_ids=[r.request_id for r in reqs], num_tokens=counts,
             starts=[r.num_computed_tokens for r in reqs], token_ids=token_ids,
             page_tables=[self.kv.page_table(r.request_id) for r in reqs], params=[r.params for r in reqs],
             seeds=[r.seed for r in reqs], output_index=[len(r.output_token_ids) + len(r.inflight) for r in reqs],
-            penalty_tokens=pens, proposals=proposals,
+            logit_terms=terms, proposals=proposals,
             num_speculative=self.config.num_speculative_tokens if any(proposals) else 0,
             num_steps=num_steps, constrained=self.constraining and any(r.request_id in self.matchers for r in reqs))
+
+    def _row_terms(self, r: Request) -> RowTerms:
+        p = r.params
+        held = ()
+        if p.min_tokens > len(r.output_token_ids) + len(r.inflight):
+            held = (*p.stop_token_ids, *(() if p.ignore_eos else self.config.eos_token_ids))
+        return RowTerms(r.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                        r.output_token_ids if r.penalized else (), held)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens ``req`` feeds this step: a prefill chunk, or its last token and the proposals after it
@@ -314,7 +322,7 @@ class Scheduler:
 
     def _num_steps(self, reqs: list[Request], counts: list[int]) -> int:
         """How many decode steps the batch runs in one dispatch: ``num_scheduler_steps`` where every
-        request decodes (one token) without penalties, has room for that many tokens within
+        request decodes (one token) without logit terms, has room for that many tokens within
         ``max_model_len``, and the pool has their pages (reserved here), while no request that a free
         slot could take waits to be admitted (it would wait for all of them), none is preempted, and
         nothing speculates or is constrained; else one. Tokens past a request's end (EOS, a stop,
@@ -325,7 +333,7 @@ class Scheduler:
         if n == 1 or admissible or self.preempted or c.num_speculative_tokens or self.constraining:
             return 1
         for req, k in zip(reqs, counts):
-            if k != 1 or req.num_remaining != 1 or req.penalized or req.num_tokens + n > c.max_model_len:
+            if k != 1 or req.num_remaining != 1 or req.params.adjusts_logits or req.num_tokens + n > c.max_model_len:
                 return 1
         need = sum(max(0, self.kv.pages_needed(r.num_computed_tokens + n) - self.kv.num_pages(r.request_id))
                    for r in reqs)
@@ -364,8 +372,8 @@ class Scheduler:
         request: on XLA:CPU the lm_head of 5 rows cost a batch-1 SmolLM2 step ~25% more than that of one)."""
         eligible, limits = [], []
         for req in self.running:
-            if req.is_prefill or req.held or req.penalized:
-                continue  # penalties would need the proposals counted at each later position
+            if req.is_prefill or req.held or req.params.adjusts_logits:
+                continue  # logit terms apply at a verified step's first position only
             limit = min(k, req.params.max_tokens - len(req.output_token_ids) - len(req.inflight) - 1,
                         self.config.max_model_len - req.num_tokens - 1)
             if limit > 0:
@@ -376,7 +384,7 @@ class Scheduler:
 
     def needs_tokens(self) -> bool:
         """Whether a running request needs every generated token on the host before its next step
-        (presence/frequency penalties count them), so the step in flight must be read first."""
+        (penalties count them), so the step in flight must be read first."""
         return any(r.inflight and r.penalized for r in self.running)
 
     # ------------------------------------------------------------------------------- update

@@ -9,10 +9,21 @@ step, and the step's sampled tokens come back as numpy arrays.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
 from jaxinfer.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTerms:
+    """What a row's logit terms need beside its ``SamplingParams`` (``InputBuilder.build`` makes
+    ``sampling.LogitTerms`` of them): token lists the scheduler owns, passed only where used."""
+
+    prompt: Sequence[int] = ()  # the prompt, where the repetition penalty reads it
+    generated: Sequence[int] = ()  # the generated tokens, where a penalty counts them
+    held: Sequence[int] = ()  # end tokens ``min_tokens`` holds back while it is not reached
 
 
 @dataclasses.dataclass
@@ -27,7 +38,7 @@ class SchedulerOutput:
     params: list[SamplingParams]
     seeds: list[int]
     output_index: list[int]  # index of each request's next generated token: its sampling key
-    penalty_tokens: dict[int, list[int]]  # row -> generated tokens, for rows with presence/frequency penalties
+    logit_terms: dict[int, "RowTerms"]  # for the rows whose logits get terms (``SamplingParams.adjusts_logits``)
     proposals: list[list[int]]  # row -> proposed tokens the step verifies (empty: none)
     num_speculative: int = 0  # proposals per row of a verifying step (0: a plain step)
     num_steps: int = 1  # decode steps one dispatch runs (``num_scheduler_steps``); > 1 only for decode batches

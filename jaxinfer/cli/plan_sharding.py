@@ -81,7 +81,7 @@ def plan(model: str, tensor_parallel: int, dtype_name: str, num_pages: int, page
     inputs, packing = pack_inputs((x.tokens, x.positions, x.md, x.sb))
     t0 = time.perf_counter()
     lowered = runner._step.lower(weights, cache, runner.last_tokens, inputs, spec=runner.compiler.spec,
-                                 packing=packing, greedy_only=True, num_logprobs=None, penalties=False)
+                                 packing=packing, greedy_only=True, num_logprobs=None, logit_terms=False)
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()

@@ -41,6 +41,7 @@ from jaxinfer.server.protocol import (MAX_TOKEN_ID, APIError, ChatCompletionRequ
 from jaxinfer.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
+MAX_IGNORED_SHOWN = 16  # unknown fields a log line and X-Ignored-Fields name
 
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
@@ -89,7 +90,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     app = FastAPI(title="jaxinfer", summary="An OpenAI-compatible LLM server", lifespan=lifespan, redoc_url=None)
     if allowed_origins:  # added first, so it runs inside _Edge: its answers carry a request id too
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], expose_headers=["X-Request-Id"])
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["X-Request-Id", "X-Ignored-Fields"])
     app.add_middleware(_Edge, allowed_hosts=allowed_hosts, max_concurrent=max_concurrent_requests)
     serving = OpenAIServing(engine, served_model_name, chat_template=chat_template,
                             tool_call_parser=tool_call_parser, request_timeout=request_timeout, pooling=pooling)
@@ -149,34 +151,45 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             raise APIError(499, "the client went away while sending the body") from None  # nobody reads it
         return b"".join(chunks)
 
+    async def read(model, request: Request):
+        """The request's body parsed into ``model``; fields it does not know are logged and named in
+        the response's ``X-Ignored-Fields`` (``protocol._Request``)."""
+        req = parse(model, await body(request))
+        if req.model_extra:
+            ignored = sorted(req.model_extra)[:MAX_IGNORED_SHOWN]
+            log.warning("%s: ignored unknown request fields %s", request.state.request_id, ignored)
+            printable = lambda name: "".join(c if " " <= c <= "~" and c != "," else "?" for c in name[:64])  # noqa: E731
+            request.state.ignored_fields = ",".join(map(printable, ignored))
+        return req
+
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse, **_STREAMED},
                                             **_errors(*_POST_ERRORS)})
     async def completions(request: Request):
         authorize(request)
-        return await serving.completions(parse(CompletionRequest, await body(request)), request)
+        return await serving.completions(await read(CompletionRequest, request), request)
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse, **_STREAMED},
                                                  **_errors(*_POST_ERRORS)})
     async def chat_completions(request: Request):
         authorize(request)
-        return await serving.chat(parse(ChatCompletionRequest, await body(request)), request)
+        return await serving.chat(await read(ChatCompletionRequest, request), request)
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(*_POST_ERRORS)})
     async def tokenize(request: Request):
         authorize(request)
-        req = parse(TokenizeRequest, await body(request))
+        req = await read(TokenizeRequest, request)
         return await serving.tokenize(req)
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_errors(*_POST_ERRORS)})
     async def detokenize(request: Request):
         authorize(request)
-        req = parse(DetokenizeRequest, await body(request))
+        req = await read(DetokenizeRequest, request)
         return await serving.detokenize(req)
 
     @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **_errors(*_POST_ERRORS)})
     async def embeddings(request: Request):
         authorize(request)
-        return await serving.embeddings(parse(EmbeddingRequest, await body(request)))
+        return await serving.embeddings(await read(EmbeddingRequest, request))
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_errors(*_METERED_ERRORS, 401)})
     async def models(request: Request):
@@ -271,7 +284,11 @@ class _Edge:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                ignored = scope["state"].get("ignored_fields")
+                if ignored:
+                    headers.append((b"x-ignored-fields", ignored.encode()))
+                message = {**message, "headers": headers}
             await send(message)
 
         host = _host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))

@@ -26,7 +26,7 @@ from typing import Callable
 
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
-from jaxinfer.batching.outputs import RequestOutput
+from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.batching.structured import compiler_for
 from jaxinfer.models.weights import resolve_model
 from jaxinfer.sampling_params import SamplingParams
@@ -55,12 +55,12 @@ class _Choice:
     unread_chars: int = 0  # len(text) when a reader last took it
     unread_tokens: int = 0
 
-    def take(self) -> RequestOutput:
+    def take(self) -> EngineOutput:
         """The output since the last take (several steps merged if the reader fell behind)."""
-        out = RequestOutput(self.request_id, self.prompt_token_ids, self.text, list(self.token_ids),
-                            self.finish_reason is not None, self.finish_reason, self.text[self.unread_chars:],
-                            self.token_ids[self.unread_tokens:], list(self.logprobs) if self.wants_logprobs else None,
-                            self.num_cached_tokens)
+        out = EngineOutput(self.request_id, self.prompt_token_ids, self.text, list(self.token_ids),
+                           self.finish_reason is not None, self.finish_reason, self.text[self.unread_chars:],
+                           self.token_ids[self.unread_tokens:], list(self.logprobs) if self.wants_logprobs else None,
+                           self.num_cached_tokens)
         self.unread_chars, self.unread_tokens = len(self.text), len(self.token_ids)
         return out
 
@@ -92,7 +92,7 @@ class Submission:
         self.hung_up = True
         self._wake.set()
 
-    async def next(self) -> list[RequestOutput]:
+    async def next(self) -> list[EngineOutput]:
         """Outputs of the sub-requests that changed since the last call, one per sub-request; raises
         the APIError that ended the submission, if any, at once (the siblings are aborted by
         ``release``). Returns [] once the client has hung up."""

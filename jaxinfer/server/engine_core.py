@@ -39,7 +39,7 @@ from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching import multihost
 from jaxinfer.batching.engine import LLMEngine
 from jaxinfer.batching.factory import create_engine
-from jaxinfer.batching.outputs import RequestOutput
+from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.batching.structured import compile_constraint
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class StepOutputs(NamedTuple):
     logprobs: dict[int, list[dict[int, float]]]  # index -> one dict per new token, where asked for
 
     @classmethod
-    def of(cls, outs: list[RequestOutput]) -> "StepOutputs":
+    def of(cls, outs: list[EngineOutput]) -> "StepOutputs":
         num_tokens = [len(o.delta_token_ids) for o in outs]
         return cls([o.request_id for o in outs], [o.delta_text for o in outs],
                    [t for o in outs for t in o.delta_token_ids],

@@ -13,9 +13,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from jaxinfer.sampling_params import (MAX_CHOICES, MAX_LOGPROBS, MAX_N, MAX_PENALTY, MAX_SEED, MAX_STOP_CHARS,
-                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K,
-                                      SamplingParams)
+from jaxinfer.sampling_params import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_N,
+                                      MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                      MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, SamplingParams)
 
 MIN_TOP_K = -1  # SamplingParams: top_k >= -1 (-1 and 0 turn it off)
 MAX_TOKEN_ID = MAX_TOP_K  # ids travel to the device as int32
@@ -146,7 +146,16 @@ class ToolCall(_Strict):
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
-class _Sampling(_Strict):
+class _Request(_Strict):
+    """A request body: fields no model here declares are kept (``model_extra``) so the server can say
+    it ignored them (a log line and ``X-Ignored-Fields``), as vLLM warns, rather than refuse clients
+    that send another provider's extras. Fields that would change the output and are not served are
+    declared, so they are refused by name (``_UNSUPPORTED``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Sampling(_Request):
     model: str | None = None
     n: _int(1, MAX_N) = 1
     stream: bool = False
@@ -161,8 +170,26 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None  # unsupported: empty or null
+    # vLLM's: over the prompt's and the generated tokens (1: off)
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    # OpenAI's: {token id as text: bias}; an id must be in the model's vocabulary (checked when served)
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
+    # vLLM's: no end of sequence, stop token or stop string before this many tokens (<= the max tokens)
+    min_tokens: _int(0) | None = None
     user: str | None = None
+    # OpenAI's bookkeeping fields: they change no output, so they are accepted (and not stored)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Output options this server does not serve except at their defaults (refused by name otherwise)
+    prompt_logprobs: None = None
+    skip_special_tokens: Literal[True] = True
+    include_stop_str_in_output: Literal[False] = False
+    use_beam_search: Literal[False] = False
     # vLLM's constraint fields, so its clients work unchanged (at most one constraint per request).
     guided_json: dict | SchemaText | None = None
     guided_regex: Regex | None = None
@@ -240,6 +267,17 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None
+    # OpenAI's and vLLM's options this server does not serve (refused by name when set)
+    audio: None = None
+    prediction: None = None
+    functions: None = None
+    function_call: None = None
+    web_search_options: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    add_generation_prompt: Literal[True] = True
+    continue_final_message: Literal[False] = False
 
 
 # Plain-words types for fields whose pydantic union errors would list every alternative.
@@ -270,7 +308,8 @@ def parse(model: type[BaseModel], body: bytes):
             raise APIError(400, "request body must be a JSON object") from None
         param = str(err["loc"][0])
         if param in _UNSUPPORTED:
-            raise APIError(400, f"'{param}' is not supported by this server", param=param, code="unsupported") from None
+            raise APIError(400, f"'{param}' is not supported by this server: leave it out", param=param,
+                           code="unsupported") from None
         where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-after", "constrained-")))
         if err["type"] == "missing":
             raise APIError(400, f"'{where}' is a required field", param=param, code="missing_field") from None
@@ -286,7 +325,10 @@ def parse(model: type[BaseModel], body: bytes):
 
 # Options this server does not support: refused by name rather than ignored (the schema admits only
 # the values that mean "off").
-_UNSUPPORTED = frozenset({"logit_bias", "echo", "suffix"})
+_UNSUPPORTED = frozenset({"echo", "suffix", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output",
+                          "use_beam_search", "modalities", "audio", "prediction", "functions", "function_call",
+                          "web_search_options", "reasoning_effort", "verbosity", "add_generation_prompt",
+                          "continue_final_message"})
 # Range errors in the words SamplingParams uses (every length minimum above is 1: "non-empty").
 _BOUNDS = {"greater_than_equal": ">= {ge}", "less_than_equal": "<= {le}", "greater_than": "> {gt}",
            "less_than": "< {lt}", "too_short": "non-empty", "string_too_short": "non-empty"}
@@ -309,8 +351,10 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None, *,
     opts = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos, logprobs=logprobs, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, structured=structured)
-    defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0)
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias, min_tokens=req.min_tokens, n=req.n, structured=structured)
+    defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                    repetition_penalty=1.0, min_tokens=0)
     opts.update({k: v for k, v in defaults.items() if opts[k] is None})
     try:
         return SamplingParams(**opts)
@@ -416,7 +460,7 @@ class HealthResponse(BaseModel):
     status: str
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     """vLLM's ``/tokenize``: exactly one of ``prompt`` (text, encoded as a completion's is; with the
     tokenizer's special tokens unless ``add_special_tokens`` is false) and ``messages`` (rendered with
     the chat template and encoded as a chat request's prompt is, ending in the assistant's header)."""
@@ -435,7 +479,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     """vLLM's ``/detokenize``: token ids (each below the vocabulary size) back to text."""
 
     model: str | None = None
@@ -449,7 +493,7 @@ class DetokenizeResponse(BaseModel):
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(_Request):
     """OpenAI's ``/v1/embeddings``: ``input`` is one text, one list of token ids, or a list of either,
     each embedded on its own (the server's ``--pooling`` of the final hidden states, L2-normalized);
     ``encoding_format`` "float" (lists of numbers) or "base64" (each vector's little-endian float32

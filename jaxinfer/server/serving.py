@@ -25,8 +25,8 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxinfer.batching.outputs import RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.batching.outputs import EngineOutput
+from jaxinfer.sampling_params import SamplingParams, check_logit_bias, choices
 from jaxinfer.server import tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
 from jaxinfer.server.constraints import ToolPlan, request_constraint, tool_plan
@@ -222,9 +222,12 @@ class OpenAIServing:
                                     f"{len(ids)} tokens and {max_tokens_param} is {want} ({len(ids) + want} in "
                                     "total); shorten the prompt or lower " + max_tokens_param,
                                param=max_tokens_param, code="context_length_exceeded")
-            for j in range(req.n):
-                seed = None if base.seed is None else (base.seed + j) % 2**63
-                params.append(dataclasses.replace(base, seed=seed) if j else base)
+            try:
+                check_logit_bias(base, self.engine.vocab_size)
+            except ValueError as e:
+                raise APIError(400, str(e), param="logit_bias") from None
+            for one in choices(base):
+                params.append(one)
                 choice_prompts.append(ids)
         return _Job(prompts, choice_prompts, params)
 
@@ -261,7 +264,7 @@ class OpenAIServing:
                                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
             return _EventStream(body, release)
         try:
-            finals: dict[int, RequestOutput] = {}
+            finals: dict[int, EngineOutput] = {}
             async with contextlib.aclosing(_outputs(sub, request)) as outputs:
                 async for out in outputs:
                     if out.finished:
@@ -287,7 +290,7 @@ class OpenAIServing:
                 chunk["usage"] = usage
             return f"data: {json.dumps(chunk)}\n\n"
 
-        finals: list[RequestOutput] = []
+        finals: list[EngineOutput] = []
         try:
             for i in range(len(sub.request_ids)):
                 first = render.first_chunk(i)
@@ -323,7 +326,7 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _outputs(sub: Submission, request: Request) -> AsyncIterator[RequestOutput]:
+async def _outputs(sub: Submission, request: Request) -> AsyncIterator[EngineOutput]:
     """The submission's outputs until all sub-requests finish, or until the client disconnects.
 
     Each wake-up yields what accumulated since the last one, so a stream that is read slowly gets
@@ -407,11 +410,11 @@ class _CompletionRenderer(_Renderer):
         super().__init__(serving, req)
         self._offsets: dict[int, int] = {}  # streamed characters so far, for text_offset
 
-    def choice(self, i: int, out: RequestOutput) -> dict:
+    def choice(self, i: int, out: EngineOutput) -> dict:
         return {"index": i, "text": out.text, "logprobs": self._logprobs(i, out.token_ids, out.logprobs),
                 "finish_reason": out.finish_reason}
 
-    def delta(self, i: int, out: RequestOutput) -> list[dict]:
+    def delta(self, i: int, out: EngineOutput) -> list[dict]:
         lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
         return [{"index": i, "text": out.delta_text, "logprobs": self._logprobs(i, out.delta_token_ids, lps),
                  "finish_reason": out.finish_reason}]
@@ -472,7 +475,7 @@ class _ChatRenderer(_Renderer):
                 pass
         return text, [], len(text)
 
-    def choice(self, i: int, out: RequestOutput) -> dict:
+    def choice(self, i: int, out: EngineOutput) -> dict:
         content, calls, _ = self._calls(out.text)
         message = {"role": "assistant", "content": content}
         if calls:
@@ -483,7 +486,7 @@ class _ChatRenderer(_Renderer):
     def first_chunk(self, i: int) -> dict:
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, i: int, out: RequestOutput) -> list[dict]:
+    def delta(self, i: int, out: EngineOutput) -> list[dict]:
         """One chunk's choice for the content, then one per tool-call delta (the last carries
         ``finish_reason``)."""
         lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
