@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.cli.model_flags import choose_model
 from jaxinfer.models.weights import ModelFileError, ModelSource, load_model, resolve_model
 from jaxinfer.models.weights import hub
 
@@ -118,6 +117,29 @@ def test_a_hub_id_generates_what_its_directory_does(offline, checkpoint):
     assert token_ids(from_hub) == token_ids(from_dir) and len(token_ids(from_hub)) == 6
 
 
+def test_a_checkpoint_without_tokenizer_files(checkpoint, tmp_path):
+    """config.json and safetensors alone: refused in one line naming the way out, or with
+    skip_tokenizer_init=True loaded without a tokenizer, generating from token ids as the whole
+    checkpoint does (a text prompt: a ValueError saying to pass token ids)."""
+    from jaxinfer import LLM, SamplingParams
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(checkpoint / name, tmp_path / name)
+    with pytest.raises(ModelFileError) as e:
+        LLM(str(tmp_path), **OPTS)
+    assert str(e.value) == (f"{tmp_path}: no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model"
+                            "...); give a checkpoint with its tokenizer, or skip_tokenizer_init=True for token-id "
+                            "prompts")
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, **OPTS)
+    assert llm.tokenizer is None
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = token_ids(llm.generate([[1, 5, 9, 13]], greedy)[0])
+    assert len(got) == 4 and got == token_ids(LLM(str(checkpoint), **OPTS).generate([[1, 5, 9, 13]], greedy)[0])
+    with pytest.raises(ValueError, match=r"no tokenizer \(dummy weights, or skip_tokenizer_init=True\): pass "
+                                         r"prompts as token ids"):
+        llm.generate("The capital of France is", greedy)
+
+
 def token_ids(out) -> list[int]:
     """A prompt's one completion's tokens, whether the output holds its completions (``outputs``, as
     vLLM's ``RequestOutput``) or is the completion."""
@@ -209,15 +231,3 @@ def test_hub_ids():
         assert hub.is_hub_id(model), model
     for model in ("./x", "../x", "a/b/c", "/abs/path", "name", "org/", "-o/x", "o/x."):
         assert not hub.is_hub_id(model), model
-
-
-def test_serve_takes_the_model_as_its_positional_argument():
-    assert choose_model("jaxinfer serve", ["org/name"], "smollm2-135m", False) == "org/name"
-    assert choose_model("jaxinfer serve", [], "org/name", True) == "org/name"
-    assert choose_model("jaxinfer serve", [], "smollm2-135m", False) == "smollm2-135m"
-    assert choose_model("jaxinfer serve", ["org/name"], "org/name", True) == "org/name"
-    with pytest.raises(SystemExit, match=r"^jaxinfer serve: two models given, 'org/a' and --model='org/b': give "
-                                         r"one$"):
-        choose_model("jaxinfer serve", ["org/a"], "org/b", True)
-    with pytest.raises(SystemExit, match=r"^jaxinfer serve: give one model, got 2 positional arguments: a/b c/d$"):
-        choose_model("jaxinfer serve", ["a/b", "c/d"], "smollm2-135m", False)

@@ -32,10 +32,9 @@ import functools
 import jax
 
 from jaxinfer.batching.buckets import Buckets, geometric
+from jaxinfer.batching.config import ATTENTION_BACKENDS
 from jaxinfer.models.layers import Ops
 from jaxinfer.paged.attention import ragged_paged_attention as reference_attention
-
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)

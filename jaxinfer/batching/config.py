@@ -1,15 +1,19 @@
-"""Engine options: one frozen dataclass, validated when built, so bad options fail before any work."""
+"""Engine options: one frozen dataclass, validated when built, so bad options fail before any work, and
+what each option means (``OPTIONS``), from which the command line makes its flags (``cli.options``).
+
+This module imports no JAX, so ``jaxinfer serve --help`` lists every option at once."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.batching.backend import ATTENTION_BACKENDS
-from jaxinfer.batching.speculative import MAX_SPECULATIVE_TOKENS, METHODS
-from jaxinfer.formats import KV_CACHE_DTYPES
-from jaxinfer.models.weights import LOAD_FORMATS, QUANTIZATIONS
+from jaxinfer.formats import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.user_cache import user_cache_dir
+
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu", "interpret")  # ``batching.backend``
+SPECULATIVE_METHODS = ("ngram", "draft")  # ``batching.speculative``
+MAX_SPECULATIVE_TOKENS = 16  # a verify step feeds 1 + k tokens per sequence and keeps k + 1 logits rows
 
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
@@ -25,68 +29,8 @@ _CHOICES = {
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What a user of vLLM would pass to ``LLM(...)``; ``None`` means "derive a default".
-
-    - ``revision``, ``download_dir``, ``gguf_file`` (vLLM's): where a model named by Hugging Face Hub
-      id (``org/name``) comes from: its branch, tag or commit (default ``main``); the cache directory
-      it is fetched into or found in (default ``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
-      ``~/.cache/huggingface/hub``); the one ``.gguf`` file of the repo (or of a local directory) to
-      load, as ``org/name:file.gguf`` does. ``HF_HUB_OFFLINE=1`` reads only the cache, ``HF_TOKEN``
-      opens gated and private repos (``models.weights.hub``). ``speculative_model`` is fetched into
-      the same ``download_dir``, at its ``main``.
-    - ``num_pages``: KV pool size; by default sized from ``kv_cache_memory_fraction`` of device
-      memory on accelerators, and to hold ``max_num_seqs`` full-length sequences (at most
-      ``cpu_kv_cache_gib``) on CPU.
-    - ``max_model_len``: defaults to the model's context length.
-    - ``prefill_chunk_size``: most prompt tokens one request feeds per step (default: the budget).
-    - ``token_buckets``/``seq_buckets``/``page_buckets``: the padded shapes steps compile for
-      (default on CPU: tokens 1, 8, 16, x4..., sequences 1, 4, 8, 16, x4..., pages 16, x4..., each up to its limit,
-      measured to lose little to padding there while compiling few shapes; elsewhere powers of two).
-    - ``compilation_cache_dir``: XLA's persistent compilation cache, so a restart loads the steps
-      instead of compiling them; default ``$XDG_CACHE_HOME/jaxinfer/xla`` (``~/.cache/...``), ``""``
-      turns it off.
-    - ``max_executables``: most compiled steps kept alive (least recently used evicted); bounds the
-      memory mappings compiled code holds, so a long-running process meeting many shapes cannot
-      exhaust ``vm.max_map_count``. Warm-up refuses to plan more than this.
-    - ``dtype="auto"``: float32 on CPU, bfloat16 on accelerators.
-    - ``layer_loop="auto"``: unrolled on GPU (measured faster), "indexed" on CPU (one loop body, so
-      it compiles far faster than unrolled, and its matmuls read each layer's weights in place: the
-      batch-1 SmolLM2 step took 29.6 ms against the scan's 43.1 on a quiet 2-core CPU), scanned over
-      a mesh.
-    - ``quantization="auto"``: a GGUF file runs in its own blocks unless ``dtype`` is given (then
-      it is dequantized to that dtype at load); on CPU through a native kernel built on first use,
-      so only where a C++ compiler is found (else float32, with a warning); a directory written by
-      ``jaxinfer convert --quantization Q`` as it was saved; other sources in full
-      precision (``"gguf"`` asks for the blocks explicitly). ``"int8"``,
-      ``"int4[-g32|-g64|-g128]"``, ``"fp8"``: quantized at load (``jaxinfer.quant``).
-    - ``tensor_parallel``/``data_parallel``: the model split over ``tensor_parallel`` devices, in
-      ``data_parallel`` replicas (``jaxinfer.models.sharding``); other than ``1 x 1`` their product
-      must be the device count (checked against the model when the engine is built). Quantized
-      weights are split with their scales (``models.sharding``); ``quantization="auto"`` keeps a
-      GGUF in full precision over a mesh.
-    - ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``): ``"auto"`` stores K/V in the model's dtype;
-      ``"int8"`` and ``"fp8"`` (float8_e4m3fn) store codes with a float32 scale per token and kv head
-      (``jaxinfer.paged.kv_cache``): about half of bf16's bytes, so the default pool holds about twice
-      the pages. The reference and ``pallas_gpu`` backends read them; not yet with the TPU kernel nor
-      with ``tensor_parallel > 1``.
-    - ``speculative_method``: ``None`` (off), ``"ngram"`` (prompt lookup, ``batching.speculative``) or
-      ``"draft"`` (greedy proposals of ``speculative_model``, a model with the target's tokenizer, run in
-      its own engine with this config's sizes, dtype, load format and seed):
-      up to ``num_speculative_tokens`` (1..16) proposed tokens per sequence are verified in one step,
-      matched against the last ``ngram_min..ngram_max`` tokens (``ngram_min=None``: 2 on CPU, 1 elsewhere;
-      see ``batching.speculative.default_ngram_min``). Outputs are those without speculation
-      (greedy: token-identical; sampling: the same distribution). Speculation is off for a step when
-      more than ``speculative_max_num_seqs`` sequences run (where the step stops being memory-bound).
-      ``speculative_overlap``: whether a step that verifies proposals stays in flight while the next is
-      proposed and dispatched (``LLMEngine.step``); ``None``: on with the ``ngram`` proposer except on
-      CPU (``batching.speculative.default_overlap`` says why).
-    - ``num_scheduler_steps`` (vLLM's multi-step scheduling): a batch in which every sequence decodes
-      runs this many steps in one dispatch, the tokens streaming in runs of as many; ``None``: 4 on
-      CPU, 1 elsewhere (``batching.engine.default_scheduler_steps`` says why). Runs one step at a time
-      while a request waits for a free slot or is preempted, a prefill is in the batch, or penalties,
-      speculation or structured outputs are on; tokens past a stop within a run are computed and
-      dropped.
-    """
+    """What a user of vLLM would pass to ``LLM(...)``; ``None`` means "derive a default". What each
+    field does is in ``OPTIONS`` (the ``--help`` of ``jaxinfer serve``, which makes a flag of each)."""
 
     page_size: int = 16
     num_pages: int | None = None
@@ -125,6 +69,7 @@ class EngineConfig:
     revision: str | None = None
     download_dir: str | None = None
     gguf_file: str | None = None
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
@@ -182,8 +127,8 @@ def _positive(name: str, value) -> None:
 
 
 def _check_speculative(c: EngineConfig) -> None:
-    if c.speculative_method is not None and c.speculative_method not in METHODS:
-        raise ValueError(f"speculative_method must be None or one of {METHODS}, got {c.speculative_method!r}")
+    if c.speculative_method is not None and c.speculative_method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method must be None or one of {SPECULATIVE_METHODS}, got {c.speculative_method!r}")
     for name in ("num_speculative_tokens", "ngram_max", "speculative_max_num_seqs"):
         _positive(name, getattr(c, name))
     if c.ngram_min is not None:
@@ -196,3 +141,82 @@ def _check_speculative(c: EngineConfig) -> None:
                          f"speculative_method={c.speculative_method!r}, speculative_model={c.speculative_model!r}")
     if c.ngram_min is not None and c.ngram_min > c.ngram_max:
         raise ValueError(f"ngram_min ({c.ngram_min}) must be <= ngram_max ({c.ngram_max})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """What an ``EngineConfig`` field means: its help text and, where vLLM names the same option
+    otherwise, vLLM's flag (``jaxinfer serve`` accepts both spellings, with dashes or underscores)."""
+
+    help: str
+    vllm: str | None = None
+
+
+# Every field of EngineConfig, in the order ``--help`` lists them.
+OPTIONS = {
+    "max_model_len": Option("Longest prompt plus completion, in tokens (default: the model's context length)."),
+    "max_num_seqs": Option("Most sequences computed together in one step."),
+    "max_num_batched_tokens": Option("Token budget of one step: prefill chunks plus one token per decoding "
+                                     "sequence (>= max_num_seqs)."),
+    "prefill_chunk_size": Option("Most prompt tokens one request feeds per step (default: the step budget).",
+                                 "long_prefill_token_threshold"),
+    "dtype": Option("Weights and KV cache dtype; auto: float32 on CPU, bfloat16 on accelerators."),
+    "load_format": Option("auto reads the weights; dummy uses random ones of the same shapes (benchmarks)."),
+    "quantization": Option(
+        "Weights: auto: a GGUF runs in its own blocks unless --dtype is given (on CPU through a native kernel "
+        "built once with the C++ compiler; float32 without one), a jaxinfer convert directory as saved, other "
+        "sources in full precision; none: full precision; gguf: a GGUF's blocks; int8, int4[-gN] (N: 32, 64, "
+        "128), fp8: quantized at load."),
+    "kv_cache_dtype": Option("KV cache storage: auto: the model's dtype; int8 / fp8 (e4m3): codes with a float32 "
+                             "scale per token and kv head, about half of bf16's bytes (not with the TPU kernel or "
+                             "tensor parallelism)."),
+    "seed": Option("Seed of requests that give none (each draws its own from it), and of dummy weights."),
+    "page_size": Option("Tokens per KV cache page.", "block_size"),
+    "num_pages": Option("KV pool size in pages (default: kv_cache_memory_fraction of accelerator memory; on CPU "
+                        "max_num_seqs full-length sequences, at most cpu_kv_cache_gib).", "num_gpu_blocks_override"),
+    "kv_cache_memory_fraction": Option("Fraction of accelerator memory for the weights plus the KV cache.",
+                                       "gpu_memory_utilization"),
+    "cpu_kv_cache_gib": Option("Most GiB the default KV pool takes on CPU."),
+    "enable_prefix_caching": Option("Reuse the KV pages of shared prompt prefixes."),
+    "scheduling_policy": Option("Order of admission: fcfs, first come first served; priority: by each request's "
+                                "priority (lower first), preempting running requests of a later priority."),
+    "preemption_mode": Option("A preempted request's KV: recompute it when resumed, or swap it to host memory."),
+    "tensor_parallel": Option("Devices each model replica is split over (attention heads, MLP, experts, "
+                              "vocabulary); the first data_parallel x tensor_parallel devices are used.",
+                              "tensor_parallel_size"),
+    "data_parallel": Option("Model replicas, each serving its share of the requests.", "data_parallel_size"),
+    "speculative_method": Option("Speculative decoding (off by default): ngram proposes the tokens that followed "
+                                 "the sequence's last n-gram in its own prompt and output; draft the greedy "
+                                 "continuation of speculative_model. Outputs are those without it."),
+    "speculative_model": Option("draft: a smaller model with the target's tokenizer, loaded like the target."),
+    "num_speculative_tokens": Option(f"Tokens proposed per sequence and step (1..{MAX_SPECULATIVE_TOKENS})."),
+    "ngram_min": Option("Shortest n-gram the ngram proposer matches (default: 2 on CPU, 1 elsewhere).",
+                        "prompt_lookup_min"),
+    "ngram_max": Option("Longest n-gram the ngram proposer matches (tried first).", "prompt_lookup_max"),
+    "speculative_max_num_seqs": Option("Speculation pauses while more sequences than this run (where a step stops "
+                                       "being memory-bound)."),
+    "speculative_overlap": Option("Keep a verifying step in flight while the next is proposed and dispatched "
+                                  "(default: on with ngram except on CPU)."),
+    "num_scheduler_steps": Option("Decode steps one dispatch runs for a batch of decodes (default: 4 on CPU, 1 "
+                                  "elsewhere); tokens then stream in runs of this many."),
+    "attention_backend": Option("Attention kernels: auto picks per device (cpu on CPU, pallas_gpu / pallas_tpu); "
+                                "reference is the jnp oracle; interpret runs the Pallas kernels interpreted."),
+    "layer_loop": Option("How the layers are looped: auto: unrolled on GPU, indexed on CPU (one loop body reading "
+                         "each layer's weights in place), scanned over a mesh."),
+    "token_buckets": Option("Padded token counts steps compile for, comma-separated (default per backend: on CPU "
+                            "1, 8, 16, x4..., up to max_num_batched_tokens)."),
+    "seq_buckets": Option("Padded sequence counts (default per backend: on CPU 1, 4, 8, 16, x4..., up to "
+                          "max_num_seqs)."),
+    "page_buckets": Option("Padded pages per sequence (default per backend: on CPU max_model_len / page_size)."),
+    "compilation_cache_dir": Option("XLA's persistent compilation cache, so a restart loads the steps instead of "
+                                    "compiling them (default $XDG_CACHE_HOME/jaxinfer/xla; empty turns it off)."),
+    "max_executables": Option("Most compiled steps kept alive (least recently used evicted), which bounds the "
+                              "memory mappings compiled code holds."),
+    "max_logprobs": Option(f"Most top logprobs a request may ask for per token (0..{MAX_LOGPROBS})."),
+    "revision": Option("Branch, tag or commit of a model named by Hugging Face Hub id (default main)."),
+    "download_dir": Option("Cache directory Hub models are fetched into and found in (default $HF_HUB_CACHE, "
+                           "$HF_HOME/hub, ~/.cache/huggingface/hub)."),
+    "gguf_file": Option("The one .gguf file of a Hub repo or local directory to load (as org/name:file.gguf)."),
+    "skip_tokenizer_init": Option("Load no tokenizer (a checkpoint without tokenizer files): prompts must be token "
+                                  "ids, and outputs have token ids but no text."),
+}

@@ -18,9 +18,6 @@ import numpy as np
 from jaxinfer.batching.request import Request
 from jaxinfer.sampling_params import SamplingParams
 
-METHODS = ("ngram", "draft")
-MAX_SPECULATIVE_TOKENS = 16  # a verify step feeds 1 + k tokens per sequence and keeps k + 1 logits rows
-
 
 class Proposer(Protocol):
     def propose(self, seqs: list[Request], limits: list[int]) -> list[list[int]]:

@@ -1,11 +1,8 @@
-"""The ``jaxinfer`` command (``python -m jaxinfer`` alike): ``jaxinfer <subcommand> [flags]``.
+"""The ``jaxinfer`` command (``python -m jaxinfer`` alike): ``jaxinfer <subcommand> [options]``.
 
-Each subcommand is a module here with its flags and a ``main``; the flags every command that loads a
-model shares are in ``model_flags`` (and the engine's, shared by the server and the benchmarks that
-run it, in ``engine_flags``). Only the chosen subcommand's module is imported: modules define their
-flags when imported, and two may define one name differently (``generate``'s ``--max_model_len``
-defaults to 2048, the server's to 1024). Nothing here imports JAX until the subcommand's ``main``
-runs, so ``--help`` is fast.
+Each subcommand is a module here with a ``main(argv)`` that parses its own options (argparse; the
+engine's options come from ``options``, made from ``EngineConfig``). Only the chosen subcommand's
+module is imported, and nothing here imports JAX until its ``main`` runs, so ``--help`` is fast.
 """
 
 from __future__ import annotations
@@ -39,14 +36,4 @@ def main(argv: list[str] | None = None) -> None:
     if name not in SUBCOMMANDS:
         sys.stderr.write(f"jaxinfer: no subcommand {name!r}\n{usage()}")
         sys.exit(2)
-    from absl import app, flags
-
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    prog = f"jaxinfer {name}"
-    # absl's --help prints __main__'s docstring and the flags of the module named sys.argv[0]: make those
-    # the subcommand's.
-    for flag in flags.FLAGS.get_key_flags_for_module(module):
-        flags.FLAGS.register_key_flag_for_module(prog, flag)
-    sys.modules["__main__"].__doc__ = module.__doc__
-    sys.argv = [prog, *argv[2:]]
-    app.run(module.main)
+    importlib.import_module(SUBCOMMANDS[name][0]).main(argv[2:])

@@ -1,11 +1,11 @@
 """Plan a sharded model without the memory for it: lower and compile one engine step of ``--model``
-over ``--tensor_parallel`` devices from abstract shapes (``jax.ShapeDtypeStruct`` with shardings,
+over ``--tensor-parallel-size`` devices from abstract shapes (``jax.ShapeDtypeStruct`` with shardings,
 nothing allocated), and report each device's bytes from the compiled executable's memory analysis.
 
-    jaxinfer plan-sharding --model llama3-70b --tensor_parallel 8 --out $OUT/plan_70b.json
+    jaxinfer plan-sharding --model llama3-70b --tensor-parallel-size 8 --out $OUT/plan_70b.json
 
-With ``--host_devices`` (the default) it plans on ``--tensor_parallel`` forced CPU host devices,
-so llama3-70b on 8 devices is planned on any machine; ``--nohost_devices`` uses the real devices.
+With ``--host-devices`` (the default) it plans on ``--tensor-parallel-size`` forced CPU host devices,
+so llama3-70b on 8 devices is planned on any machine; ``--no-host-devices`` uses the real devices.
 """
 
 from __future__ import annotations
@@ -14,34 +14,42 @@ import json
 import os
 import time
 
-from absl import flags
-
-flags.DEFINE_string("model", "llama3-70b", "Preset name, local Hugging Face directory or .gguf file (its config).")
-flags.DEFINE_integer("tensor_parallel", 8, "Devices the model is split over.")
-flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Weights and KV cache dtype.")
-flags.DEFINE_integer("num_pages", 2048, "KV pool pages (the pool every device holds its KV heads of).")
-flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-flags.DEFINE_integer("tokens", 256, "Tokens of the planned step (its token bucket).")
-flags.DEFINE_integer("seqs", 32, "Sequences of the planned step.")
-flags.DEFINE_integer("pages_per_seq", 256, "Pages per sequence of the planned step.")
-flags.DEFINE_string("out", "results/plan_sharding.json", "Where to write the JSON report.")
-flags.DEFINE_boolean("host_devices", True, "Plan on --tensor_parallel forced CPU host devices.")
-F = flags.FLAGS
+from jaxinfer.cli.options import Parser
 
 GIB = 2**30
 
 
-def main(argv):
-    del argv
-    if F.host_devices:  # before JAX starts (nothing above imports it)
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={F.tensor_parallel}"
+def parser() -> Parser:
+    p = Parser("jaxinfer plan-sharding", __doc__)
+    p.option(None, "model", default="llama3-70b", help="Preset name, local Hugging Face directory or .gguf file "
+             "(its config) [default: llama3-70b].")
+    p.option(None, "tensor-parallel-size", "tensor-parallel", type=int, default=8,
+             help="Devices the model is split over [default: 8].")
+    p.option(None, "dtype", choices=("float32", "bfloat16"), default="bfloat16", help="Weights and KV cache dtype.")
+    p.option(None, "num-pages", type=int, default=2048, help="KV pool pages (the pool every device holds its KV "
+             "heads of) [default: 2048].")
+    p.option(None, "page-size", type=int, default=16, help="Tokens per page [default: 16].")
+    p.option(None, "tokens", type=int, default=256, help="Tokens of the planned step (its token bucket).")
+    p.option(None, "seqs", type=int, default=32, help="Sequences of the planned step.")
+    p.option(None, "pages-per-seq", type=int, default=256, help="Pages per sequence of the planned step.")
+    p.option(None, "out", default="results/plan_sharding.json", help="Where to write the JSON report.")
+    p.flag(None, "host-devices", default=True, help="Plan on --tensor-parallel-size forced CPU host devices.")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse(argv)
+    tp = args.tensor_parallel_size
+    if args.host_devices:  # before JAX starts (nothing above imports it)
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
         os.environ["JAX_PLATFORMS"] = "cpu"
-    report = plan(F.model, F.tensor_parallel, F.dtype, F.num_pages, F.page_size, F.tokens, F.seqs, F.pages_per_seq)
+    report = plan(args.model, tp, args.dtype, args.num_pages, args.page_size, args.tokens, args.seqs,
+                  args.pages_per_seq)
     print_report(report)
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
-    with open(F.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {F.out}")
+    print(f"wrote {args.out}")
 
 
 def plan(model: str, tensor_parallel: int, dtype_name: str, num_pages: int, page_size: int, tokens: int, seqs: int,

@@ -67,7 +67,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                tool_call_parser: str | None = None, request_timeout: float | None = None,
                body_timeout: float = 30.0, max_concurrent_requests: int = 1024,
                allowed_hosts: tuple[str, ...] | None = None, metrics_public: bool = False,
-               allowed_origins: tuple[str, ...] = (), pooling: str = "last") -> FastAPI:
+               allowed_origins: tuple[str, ...] = (), pooling: str = "last",
+               auto_tool_choice: bool = True) -> FastAPI:
     """An app that starts ``engine``'s core process on startup and stops it on shutdown.
 
     ``chat_template`` (jinja text) replaces the model's; ``tool_call_parser`` overrides the parser of
@@ -78,7 +79,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     ``allowed_origins``: the web origins (``https://app.example``, or ``*``) whose pages may call the
     server from a browser (CORS, Starlette's middleware: a preflight from another origin gets a 400 and
     no ``Access-Control-Allow-Origin``); none by default, as a browser then refuses them all. ``pooling``:
-    how /v1/embeddings pools the final hidden states ("last" token's or "mean"; ``models.pooling``)."""
+    how /v1/embeddings pools the final hidden states ("last" token's or "mean"; ``models.pooling``);
+    ``auto_tool_choice``: whether tools with ``tool_choice`` "auto" (OpenAI's default) are served."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -94,7 +96,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                            expose_headers=["X-Request-Id", "X-Ignored-Fields"])
     app.add_middleware(_Edge, allowed_hosts=allowed_hosts, max_concurrent=max_concurrent_requests)
     serving = OpenAIServing(engine, served_model_name, chat_template=chat_template,
-                            tool_call_parser=tool_call_parser, request_timeout=request_timeout, pooling=pooling)
+                            tool_call_parser=tool_call_parser, request_timeout=request_timeout, pooling=pooling,
+                            auto_tool_choice=auto_tool_choice)
     created = int(time.time())
 
     @app.exception_handler(APIError)

@@ -52,7 +52,8 @@ class OpenAIServing:
     PREPARE_THREADS = 4
 
     def __init__(self, engine: AsyncEngine, model_name: str, *, chat_template: str | None = None,
-                 tool_call_parser: str | None = None, request_timeout: float | None = None, pooling: str = "last"):
+                 tool_call_parser: str | None = None, request_timeout: float | None = None, pooling: str = "last",
+                 auto_tool_choice: bool = True):
         """``chat_template`` replaces the tokenizer's (e.g. one that renders tools); ``tool_call_parser``
         names the parser of ``tool_choice: "auto"`` replies (default: chosen from the template);
         ``request_timeout``: seconds after which an unfinished request is aborted (504)."""
@@ -62,6 +63,7 @@ class OpenAIServing:
         self.tool_parser = tool_parsers.get_parser(tool_call_parser) if tool_call_parser else None
         self.request_timeout = request_timeout
         self.pooling = pooling  # how /v1/embeddings pools the final hidden states: "last" or "mean"
+        self.auto_tool_choice = auto_tool_choice  # serve tools with tool_choice "auto" (vLLM's flag)
         self._prepare = concurrent.futures.ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="prepare")
 
     # ------------------------------------------------------------------------------- endpoints
@@ -96,6 +98,9 @@ class OpenAIServing:
                                 "token ids", param="messages")
         messages = _messages(req.messages)
         plan = tool_plan(req)
+        if plan.tools and req.tool_choice in (None, "auto") and not self.auto_tool_choice:
+            raise APIError(400, "tool_choice 'auto' is off on this server (serve with --enable-auto-tool-choice); "
+                                "name a tool or use 'required'", param="tool_choice", code="unsupported")
         ids = self._render(messages, plan.tools)
         if plan.tools and ids == self._render(messages, None):
             raise APIError(400, "this model's chat template does not render tools, so the model would never see "
