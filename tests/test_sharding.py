@@ -28,7 +28,8 @@ RUNS = {
         "collectives:tiny-gqa8:2:reference:int4-g32:int8", "collectives:tiny-gqa8:2:reference:int8:fp8"],
     3: ["smollm2-135m:1:1", "load:smollm2-135m:3", "smollm2-135m:1:1:gguf",
         "smollm2-135m:3:1:gguf", "load:smollm2-135m:3:gguf", "load:smollm2-135m:3:int8"],
-    4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "collectives:tiny-qwen2:4", "collectives:tiny-gqa8:4:interpret"],
+    4: ["tiny-gqa8:4:1", "tiny-qwen2:4:1", "tiny-qwen2:2:1", "collectives:tiny-qwen2:4",
+        "collectives:tiny-gqa8:4:interpret"],
     8: ["tiny-gqa8:8:1", "tiny-gqa8:4:2", "tiny-qwen2-moe:8:1", "collectives:tiny-qwen2-moe:8"],
 }
 
@@ -138,6 +139,13 @@ def test_step_collectives(results, run):
     assert r["all_gather_sizes"] == []
 
 
+def test_tensor_parallel_on_some_of_the_devices(results):
+    """tensor_parallel=2 on a 4-device host runs on the first two devices, with the one-device tokens."""
+    got = results["tiny-qwen2:2:1"]
+    assert got["tokens"] == results["tiny-qwen2:1:1"]["tokens"] and got["compilations_after_warmup"] == 0
+    assert got["device_ids"] == [0, 1]
+
+
 def test_two_processes_match_one_device(results):
     """JAX's multi-controller run: process 0 schedules and broadcasts each step's inputs, both run
     it over the 8 devices of the two processes (``batching.multihost``)."""
@@ -166,11 +174,12 @@ def test_mesh_errors_name_the_valid_sizes():
     llama = PRESETS["tiny-gqa8"]  # 8 query heads, 2 KV heads
     with pytest.raises(ValueError, match=r"tensor_parallel=16 exceeds the 8 devices; .*\[1, 2, 4, 8\]"):
         sharding.make_mesh(llama, 16, 1, fake)
-    with pytest.raises(ValueError, match=r"num_heads=9 is not divisible by 2.*\[1\]"):
+    with pytest.raises(ValueError, match=r"num_heads=9 is not divisible by 2.*\[1, 3\]"):
         sharding.make_mesh(PRESETS["smollm2-135m"], 2, 4, fake)
-    with pytest.raises(ValueError, match=r"data_parallel \* tensor_parallel \(1 \* 4\) must equal the device count 8; "
-                                         r"valid data_parallel x tensor_parallel: 8 x 1, 4 x 2, 2 x 4, 1 x 8"):
-        sharding.make_mesh(llama, 4, 1, fake)
+    with pytest.raises(ValueError, match=r"data_parallel \* tensor_parallel \(4 \* 4 = 16\) exceeds the 8 devices"):
+        sharding.make_mesh(llama, 4, 4, fake)
+    distinct = [object() for _ in range(8)]  # fewer than there are: the first ones, in order
+    assert list(sharding.make_mesh(llama, 2, 2, distinct).devices.flat) == distinct[:4]
     with pytest.raises(ValueError, match="tensor_parallel must be a positive integer"):
         sharding.make_mesh(llama, 0, 1, fake)
     assert sharding.make_mesh(llama, 1, 1, fake) is None  # one device: the unsharded step

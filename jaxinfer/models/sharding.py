@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,8 @@ from jaxinfer.models.layers import LayerChoice, Ops, moe_partial
 from jaxinfer.models.spec import ModelSpec, ParamSpec, Weights, arrange_layers, init_dummy_weights, param_spec
 from jaxinfer.paged.kv_cache import KVCache, is_quantized
 from jaxinfer.quant import QArray, map_rows
+
+log = logging.getLogger(__name__)
 
 DP, TP = "dp", "tp"
 # Logical axis -> mesh axis (the only such table). Unlisted axes are replicated.
@@ -81,17 +84,17 @@ def tensor_parallel_problem(config: ModelConfig, tp: int) -> str | None:
 
 
 def make_mesh(config: ModelConfig, tensor_parallel: int = 1, data_parallel: int = 1, devices=None) -> Mesh | None:
-    """The ``(dp, tp)`` mesh over ``devices`` (default: all of them, every process's), or None for
-    one device (``1 x 1``: the single-device step, unchanged). Otherwise ``data_parallel *
-    tensor_parallel`` must be the device count and ``tensor_parallel`` must split the model; the
-    error names the sizes that would work."""
+    """The ``(dp, tp)`` mesh over the first ``data_parallel * tensor_parallel`` of ``devices`` (default:
+    all of them, every process's, in ``jax.devices()`` order), or None for one device (``1 x 1``: the
+    single-device step, unchanged). More devices than the product are left unused (logged); fewer are
+    an error, as is a ``tensor_parallel`` that does not split the model. The errors name the sizes
+    that would work."""
     devices = jax.devices() if devices is None else list(devices)
     n = len(devices)
     for name, v in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    valid_tp = [tp for tp in range(1, n + 1) if n % tp == 0 and tensor_parallel_problem(config, tp) is None]
-    pairs = ", ".join(f"{n // tp} x {tp}" for tp in valid_tp)
+    valid_tp = [tp for tp in range(1, n + 1) if tensor_parallel_problem(config, tp) is None]
     if tensor_parallel > n:
         raise ValueError(f"tensor_parallel={tensor_parallel} exceeds the {n} devices; valid tensor_parallel "
                          f"sizes for this model here: {valid_tp}")
@@ -101,9 +104,21 @@ def make_mesh(config: ModelConfig, tensor_parallel: int = 1, data_parallel: int 
                          f"tensor_parallel sizes for this model on {n} devices: {valid_tp}")
     if tensor_parallel * data_parallel == 1:
         return None
-    if tensor_parallel * data_parallel != n:
-        raise ValueError(f"data_parallel * tensor_parallel ({data_parallel} * {tensor_parallel}) must equal the "
-                         f"device count {n}; valid data_parallel x tensor_parallel: {pairs}")
+    need = tensor_parallel * data_parallel
+    if need > n:
+        raise ValueError(f"data_parallel * tensor_parallel ({data_parallel} * {tensor_parallel} = {need}) exceeds "
+                         f"the {n} devices; at most data_parallel={n // tensor_parallel} with "
+                         f"tensor_parallel={tensor_parallel}")
+    if need < n:
+        used = devices[:need]
+        processes = {getattr(d, "process_index", 0) for d in devices}
+        if {getattr(d, "process_index", 0) for d in used} != processes:
+            raise ValueError(f"data_parallel * tensor_parallel ({data_parallel} * {tensor_parallel} = {need}) "
+                             f"leaves a process without a device of its {n} (every process runs the step); "
+                             f"use all {n} devices over several processes")
+        log.info("data_parallel x tensor_parallel %d x %d: using the first %d of the %d devices: %s",
+                 data_parallel, tensor_parallel, need, n, ", ".join(map(str, used)))
+        devices = used
     return Mesh(np.asarray(devices, dtype=object).reshape(data_parallel, tensor_parallel), (DP, TP))
 
 
