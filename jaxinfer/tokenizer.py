@@ -25,8 +25,14 @@ _MAX_PENDING_TOKENS = 4
 _PROMPT_CONTEXT_TOKENS = 5
 
 
+# The embedded model's chat template: SmolLM2's own (the same text for chats without tools) that also
+# lists tools and shows Hermes-style <tool_call> replies, so the model serves ``tools`` as shipped.
+EMBEDDED_CHAT_TEMPLATE = os.path.join(os.path.dirname(__file__), "server", "templates", "smollm2_tools.jinja")
+
+
 def load_tokenizer(source: ModelSource):
-    """A ``transformers`` tokenizer for ``source``, or None for a preset without files."""
+    """A ``transformers`` tokenizer for ``source``, or None for a preset without files. The embedded
+    model (the packaged SmolLM2 GGUF) gets ``EMBEDDED_CHAT_TEMPLATE`` as its chat template."""
     if source.kind == "preset":
         return None
     if source.kind == "gguf":
@@ -36,8 +42,13 @@ def load_tokenizer(source: ModelSource):
         # The server's two processes start together: one converts, the other waits and reads the result.
         with _locked(cached):
             if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-                return _saved_class(cached).from_pretrained(cached, local_files_only=True)
-            return _convert_gguf_tokenizer(source, cached)
+                tok = _saved_class(cached).from_pretrained(cached, local_files_only=True)
+            else:
+                tok = _convert_gguf_tokenizer(source, cached)
+        if source.preset == "smollm2-135m":
+            with open(EMBEDDED_CHAT_TEMPLATE, encoding="utf-8") as f:
+                tok.chat_template = f.read()
+        return tok
     from transformers import AutoTokenizer
 
     if source.kind == "hf":

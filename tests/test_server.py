@@ -36,9 +36,9 @@ from jaxinfer.tokenizer import apply_chat_template
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE = [sys.executable, "-m", "jaxinfer", "serve"]  # the server's entry point, its flags to follow
 MODEL = "smollm2-135m"
+# No --chat_template: the embedded model's own renders tools (the tool tests below rely on it).
 SMOLLM2_ARGS = ["--max_num_seqs=8", "--max_num_batched_tokens=64", "--max_model_len=512", "--token_buckets=8,64",
                 "--seq_buckets=8", "--page_buckets=8,32", "--max_waiting=64", "--max_request_bytes=65536",
-                "--chat_template=jaxinfer/server/templates/smollm2_tools.jinja",
                 "--allowed_origins=https://app.example"]
 TINY_ARGS = ["--model=tiny-llama3", "--load_format=dummy", "--max_num_seqs=1", "--max_num_batched_tokens=16",
              "--max_model_len=256", "--max_waiting=1", "--api_key=sekret", "--shutdown_timeout=20"]
@@ -670,9 +670,14 @@ def test_unknown_routes_methods_and_docs(server):
 
 
 def test_template_without_tools_is_a_400(smollm2_tokenizer):
-    """SmolLM2's own template ignores tools, so the model would never see them: a 400, not a silent drop."""
+    """SmolLM2's own template (the GGUF's; the embedded model is served with one that lists tools)
+    ignores tools, so the model would never see them: a 400, not a silent drop."""
+    from jaxinfer.models.weights import resolve_model
+    from jaxinfer.models.weights.gguf_file import gguf_file
+
+    own = gguf_file(resolve_model(MODEL).path).metadata["tokenizer.chat_template"]
     engine = types.SimpleNamespace(tokenizer=smollm2_tokenizer, max_model_len=512)
-    serving = OpenAIServing(engine, MODEL)
+    serving = OpenAIServing(engine, MODEL, chat_template=own)
     req = parse(ChatCompletionRequest, json.dumps({"messages": CHAT, "tools": [WEATHER]}).encode())
     with pytest.raises(APIError) as e:
         serving.prepare_chat(req)

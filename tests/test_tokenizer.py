@@ -64,6 +64,31 @@ def test_chat_template(smollm2_tokenizer):
     assert ids.count(smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
 
 
+def test_embedded_model_renders_tools_and_plain_chats_as_its_own_template(smollm2_tokenizer):
+    """The embedded model's chat template lists ``tools`` (Hermes-style calls, so the hermes parser
+    reads its replies) and renders chats without tools exactly as the GGUF's own template does."""
+    from jaxinfer.models.weights.gguf_file import gguf_file
+    from jaxinfer.server.tool_parsers import parser_for_template
+
+    own = gguf_file(resolve_model("smollm2-135m").path).metadata["tokenizer.chat_template"]
+
+    def turns(*pairs):
+        return [{"role": role, "content": content} for role, content in pairs]
+
+    chats = [turns(("user", "Hi")), turns(("system", "Be brief."), ("user", "Hi 😀")),
+             turns(("user", "a"), ("assistant", "b"), ("user", "c")),
+             turns(("system", "S"), ("user", "a"), ("assistant", ""), ("user", "late"), ("system", "late system"))]
+    for chat in chats:
+        for prompt in (True, False):
+            assert smollm2_tokenizer.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False) == \
+                smollm2_tokenizer.apply_chat_template(chat, chat_template=own, add_generation_prompt=prompt,
+                                                      tokenize=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    text = smollm2_tokenizer.decode(apply_chat_template(smollm2_tokenizer, chats[0], tools=[tool]))
+    assert "<tools>" in text and '"get_weather"' in text and "<tool_call>" in text
+    assert parser_for_template(smollm2_tokenizer.chat_template).name == "hermes"
+
+
 def test_chat_template_errors(smollm2_tokenizer, monkeypatch):
     monkeypatch.setattr(smollm2_tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template"):
