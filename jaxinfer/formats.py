@@ -4,7 +4,7 @@ each name means is with its code: ``quant.schemes`` (the schemes quantized at lo
 ``models.weights`` (loading), ``paged.kv_cache`` (the cache's storage)."""
 
 INT4_GROUPS = (32, 64, 128)
-# Weights quantized at load from float weights (``quant.schemes``); "int4" is int4-g128.
+# Weights quantized at load from float weights (``quant.schemes``); "int4": the largest group that fits the model.
 SCHEMES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS), "fp8")
 # The ``quantization`` option: "none": full precision; "gguf": a GGUF file's blocks as they are; the rest:
 # quantized at load (the engine adds "auto").

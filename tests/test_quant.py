@@ -519,6 +519,31 @@ def test_group_size_that_does_not_divide_the_dimension():
         quantize(jnp.ones((8, 576)), "int4-g128")
 
 
+def test_int4_takes_the_largest_group_that_divides_the_model(caplog):
+    """Plain int4 takes the largest of 128, 64, 32 dividing every quantized matrix's input dimension
+    (SmolLM2's hidden size 576: 64; a Llama 3.2 1B's: 128), logged and resolved before any weight is
+    read; an explicit group that does not divide is refused, naming the matrices and the groups that do."""
+    import logging
+
+    from jaxinfer.batching.config import EngineConfig
+    from jaxinfer.batching.resolve import DeviceFacts, ModelFacts, resolve
+    from jaxinfer.models.config import PRESETS
+    from jaxinfer.models.weights import load_config, load_model, model_quantization, resolve_model
+
+    smollm2 = load_config(resolve_model("smollm2-135m"))
+    with caplog.at_level(logging.INFO, logger="jaxinfer.quant.schemes"):
+        assert model_quantization("int4", smollm2) == "int4-g64"
+    assert "group size 64" in caplog.text
+    assert model_quantization("int4", PRESETS["llama3.2-1b"]) == "int4-g128"
+    assert [model_quantization(q, smollm2) for q in ("int4-g32", "int8", "gguf", "none")] == \
+        ["int4-g32", "int8", "gguf", "none"]
+    facts = ModelFacts("smollm2-135m", smollm2, "gguf", "none")
+    assert resolve(EngineConfig(quantization="int4"), facts, DeviceFacts("cpu")).quantization == "int4-g64"
+    with pytest.raises(ValueError, match=r"'int4-g128': group size 128 does not divide the input dimension of "
+                                         r"wqkv \(576\), wo \(576\), w_gate_up \(576\); use 'int4-g64' or 'int4-g32'"):
+        load_model("smollm2-135m", quantization="int4-g128")
+
+
 def test_fp8_on_a_device_without_fp8_is_refused():
     @dataclasses.dataclass
     class FakeDevice:

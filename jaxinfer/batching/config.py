@@ -166,7 +166,7 @@ OPTIONS = {
         "Weights: auto: a GGUF runs in its own blocks unless --dtype is given (on CPU through a native kernel "
         "built once with the C++ compiler; float32 without one), a jaxinfer convert directory as saved, other "
         "sources in full precision; none: full precision; gguf: a GGUF's blocks; int8, int4[-gN] (N: 32, 64, "
-        "128), fp8: quantized at load."),
+        "128; plain int4: the largest dividing the model's matrices), fp8: quantized at load."),
     "kv_cache_dtype": Option("KV cache storage: auto: the model's dtype; int8 / fp8 (e4m3): codes with a float32 "
                              "scale per token and kv head, about half of bf16's bytes (not with the TPU kernel or "
                              "tensor parallelism)."),

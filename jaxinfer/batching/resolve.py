@@ -20,6 +20,7 @@ from jaxinfer.batching.backend import Backend, backend_for
 from jaxinfer.batching.buckets import Buckets
 from jaxinfer.batching.config import EngineConfig, default_compilation_cache_dir
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.weights import model_quantization
 from jaxinfer.paged.kv_cache import KVCache, kv_storage_dtype
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ def resolve(config: EngineConfig, model: ModelFacts, facts: DeviceFacts,
                         "to run its GGUF blocks natively, about 2x faster)", model.name)
             in_blocks = False
         quantization = "gguf" if in_blocks else model.saved_quantization
+    quantization = model_quantization(quantization, mc)  # plain "int4": the group that fits the model
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context length "

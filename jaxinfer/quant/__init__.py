@@ -23,7 +23,7 @@ own covers both the schemes quantized at load and the GGUF blocks.
 
 from jaxinfer.quant.matmul import qlinear, to_dense
 from jaxinfer.quant.qarray import FORMATS, QArray, concat, dequantize, map_rows, take, to_device, with_col_scale
-from jaxinfer.quant.schemes import SCHEMES, check_device_supports, parse_scheme, quantize
+from jaxinfer.quant.schemes import SCHEMES, check_device_supports, parse_scheme, quantize, scheme_for_inputs
 
 __all__ = ["FORMATS", "QArray", "SCHEMES", "check_device_supports", "concat", "dequantize", "map_rows", "parse_scheme",
-           "qlinear", "quantize", "take", "to_dense", "to_device", "with_col_scale"]
+           "qlinear", "quantize", "scheme_for_inputs", "take", "to_dense", "to_device", "with_col_scale"]

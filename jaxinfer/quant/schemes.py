@@ -1,7 +1,8 @@
 """The weight schemes quantized at load from float weights, by name (the ``quantization`` option).
 
 - ``int8``: symmetric per output channel (one float32 scale per row), bf16/f32 activations (w8a16);
-- ``int4-g32`` / ``int4-g64`` / ``int4-g128`` (``int4`` = g128): asymmetric round-to-nearest per
+- ``int4-g32`` / ``int4-g64`` / ``int4-g128`` (``int4``: the largest group dividing the model's
+  matrices, ``scheme_for_inputs``; g128 for one matrix alone): asymmetric round-to-nearest per
   group of input columns, a float16 scale and float zero point per group (w4a16), the grid the best
   of 21 least-squares fits, each weight's error optionally weighted by an ``importance``;
 - ``fp8``: float8 e4m3 with one float32 scale per output channel; activations get a dynamic scale
@@ -15,12 +16,15 @@ quantizes in seconds and a load never holds a second full-precision copy.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.formats import INT4_GROUPS, SCHEMES
 from jaxinfer.quant.qarray import QArray
+
+log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -32,6 +36,32 @@ def parse_scheme(scheme: str) -> tuple[str, int | None]:
     if scheme.startswith("int4"):
         return "int4", int(scheme.split("-g")[1]) if "-g" in scheme else 128
     return scheme, None
+
+
+def scheme_for_inputs(scheme: str, in_dims: dict[str, int]) -> str:
+    """``scheme`` for a model whose quantized matrices have these input dimensions (matrix name ->
+    dimension): plain ``"int4"`` becomes ``int4-gN``, N the largest of ``INT4_GROUPS`` that divides
+    every one (logged); an explicit ``int4-gN`` whose N does not divide one is refused, naming it.
+    Other schemes are returned as they are."""
+    parse_scheme(scheme)
+    if not scheme.startswith("int4"):
+        return scheme
+    fits = tuple(g for g in sorted(INT4_GROUPS, reverse=True) if all(n % g == 0 for n in in_dims.values()))
+    if scheme == "int4":
+        if not fits:
+            raise ValueError(f"quantization='int4': no group size of {INT4_GROUPS} divides every quantized "
+                             f"matrix's input dimension {in_dims}; use 'int8' or 'fp8'")
+        log.info("quantization int4: group size %d, the largest of %s dividing every quantized matrix's input "
+                 "dimension (%s)", fits[0], sorted(INT4_GROUPS, reverse=True),
+                 ", ".join(f"{k} {n}" for k, n in in_dims.items()))
+        return f"int4-g{fits[0]}"
+    group = parse_scheme(scheme)[1]
+    bad = {k: n for k, n in in_dims.items() if n % group}
+    if bad:
+        raise ValueError(f"quantization={scheme!r}: group size {group} does not divide the input dimension of "
+                         f"{', '.join(f'{k} ({n})' for k, n in bad.items())}; use "
+                         f"{' or '.join(repr(f'int4-g{g}') for g in fits) or 'int8'}, or 'int4' (chooses the group)")
+    return scheme
 
 
 def check_device_supports(scheme: str, device=None) -> None:

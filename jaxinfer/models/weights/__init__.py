@@ -39,16 +39,16 @@ from jax.sharding import Mesh
 from jaxinfer.formats import LOAD_FORMATS, QUANTIZATIONS, SCHEMES
 from jaxinfer.models import sharding
 from jaxinfer.models.config import PRESETS, ModelConfig
-from jaxinfer.models.spec import Weights, arrange_layers, init_dummy_weights
+from jaxinfer.models.spec import Weights, arrange_layers, init_dummy_weights, param_spec
 from jaxinfer.models.weights.converted import (converted_config, quantize_weights, restore_converted,
                                                save_converted, saved_quantization)
 from jaxinfer.models.weights.gguf import cached_gguf_config, dequantized_gguf, load_gguf
 from jaxinfer.models.weights.hf import hf_config, load_hf
 from jaxinfer.models.weights.source import ModelFileError, ModelSource, resolve_model
-from jaxinfer.quant import check_device_supports, parse_scheme, quantize
+from jaxinfer.quant import check_device_supports, parse_scheme, quantize, scheme_for_inputs
 
 __all__ = ["LOAD_FORMATS", "QUANTIZATIONS", "ModelFileError", "ModelSource", "check_has_weights", "load_config",
-           "load_model", "resolve_model", "save_converted", "saved_quantization"]
+           "load_model", "model_quantization", "resolve_model", "save_converted", "saved_quantization"]
 
 
 def load_config(source: ModelSource) -> ModelConfig:
@@ -60,6 +60,17 @@ def load_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
         return cached_gguf_config(source.path)
     return converted_config(source.path)
+
+
+def model_quantization(quantization: str, config: ModelConfig) -> str:
+    """``quantization`` as ``config``'s weights take it: plain ``"int4"`` becomes the ``int4-gN`` whose
+    group divides every quantized matrix's input dimension (``quant.scheme_for_inputs``), an explicit
+    group that does not is refused; the rest as given."""
+    if quantization not in SCHEMES:
+        return quantization
+    spec = param_spec(config)
+    return scheme_for_inputs(quantization, {name: s.shape[-1] for name, s in {**spec.globals, **spec.layer}.items()
+                                            if s.quantizable})
 
 
 def check_has_weights(source: ModelSource, load_format: str) -> None:
@@ -84,11 +95,12 @@ def load_model(model: str | ModelSource, *, dtype="float32", load_format: str = 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     check_device_supports(quantization)
-    scheme = quantization if quantization in SCHEMES else None
     dtype = _float_dtype(dtype)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     model = model if isinstance(model, str) else source.preset or source.path
     check_has_weights(source, load_format)
+    quantization = model_quantization(quantization, load_config(source))
+    scheme = quantization if quantization in SCHEMES else None
     saved = saved_quantization(source)
     if saved != "none" and load_format != "dummy" and not _same_quantization(saved, quantization):
         raise ValueError(f"{model!r} holds weights quantized as {saved!r} (jaxinfer convert); load it "
