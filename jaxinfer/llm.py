@@ -100,7 +100,8 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
         convs = messages if isinstance(messages[0], list) else [messages]
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer (dummy weights), so chat is unavailable")
+            raise ValueError("this model has no tokenizer (dummy weights, or skip_tokenizer_init=True), so chat is "
+                             "unavailable")
         prompts = [apply_chat_template(self.tokenizer, conv, tools=tools, chat_template=chat_template)
                    for conv in convs]
         return self.generate(prompts, sampling_params, **kwargs)

@@ -9,7 +9,7 @@ import numbers
 import os
 from typing import Sequence
 
-from jaxinfer.models.weights import ModelSource
+from jaxinfer.models.weights import ModelFileError, ModelSource
 from jaxinfer.models.weights.gguf_file import gguf_file
 from jaxinfer.user_cache import derived_from
 
@@ -17,6 +17,10 @@ log = logging.getLogger(__name__)
 
 # Converted (orbax) directories keep the source's tokenizer here, written by ``jaxinfer convert``.
 CONVERTED_TOKENIZER_DIR = "tokenizer"
+# A Hugging Face checkpoint's tokenizer is in at least one of these (without any, transformers fails
+# with a message about sentencepiece, whatever the checkpoint's tokenizer was).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 # A UTF-8 character is at most 4 bytes, so at most 4 tokens can be waiting for it to complete;
 # text still ending in U+FFFD after that many is genuinely invalid and is emitted as is.
 _MAX_PENDING_TOKENS = 4
@@ -31,8 +35,10 @@ EMBEDDED_CHAT_TEMPLATE = os.path.join(os.path.dirname(__file__), "server", "temp
 
 
 def load_tokenizer(source: ModelSource):
-    """A ``transformers`` tokenizer for ``source``, or None for a preset without files. The embedded
-    model (the packaged SmolLM2 GGUF) gets ``EMBEDDED_CHAT_TEMPLATE`` as its chat template."""
+    """A ``transformers`` tokenizer for ``source``, or None for a preset without files (a Hugging Face
+    directory without tokenizer files is a ``ModelFileError``: the engine's ``skip_tokenizer_init``
+    loads none instead). The embedded model (the packaged SmolLM2 GGUF) gets
+    ``EMBEDDED_CHAT_TEMPLATE`` as its chat template."""
     if source.kind == "preset":
         return None
     if source.kind == "gguf":
@@ -52,9 +58,18 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     if source.kind == "hf":
+        check_has_tokenizer(source)
         return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     path = os.path.join(source.path, CONVERTED_TOKENIZER_DIR)  # orbax
     return AutoTokenizer.from_pretrained(path, local_files_only=True) if os.path.isdir(path) else None
+
+
+def check_has_tokenizer(source: ModelSource) -> None:
+    """Refuse, in one line, a Hugging Face directory without tokenizer files (before its weights load)."""
+    if source.kind == "hf" and not any(os.path.isfile(os.path.join(source.path, n)) for n in TOKENIZER_FILES):
+        raise ModelFileError(source.path, "no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                             "tokenizer.model...); give a checkpoint with its tokenizer, or "
+                             "skip_tokenizer_init=True for token-id prompts")
 
 
 @contextlib.contextmanager

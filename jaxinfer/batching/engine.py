@@ -43,7 +43,8 @@ def encode_prompt(prompt: str | Seq[int], tokenizer, vocab_size: int, max_model_
         if not prompt:
             raise ValueError("prompt must not be empty")
         if tokenizer is None:
-            raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
+            raise ValueError("this model has no tokenizer (dummy weights, or skip_tokenizer_init=True): pass "
+                             "prompts as token ids")
         ids = list(tokenizer.encode(prompt))
         if not ids:  # its characters are bytes the vocabulary has no token for (SmolLM2 lacks 21)
             raise ValueError("prompt encodes to no tokens: the tokenizer has no token for its characters")

@@ -31,7 +31,7 @@ from jaxinfer.models.spec import cpu_matmul_layout, num_params
 from jaxinfer.models.weights import (ModelSource, check_has_weights, load_config, load_model, resolve_model,
                                      saved_quantization)
 from jaxinfer.paged.kv_cache import KVCache
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tokenizer import check_has_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ def build_engine(model: str, config: EngineConfig, replica: int = 0) -> LLMEngin
     # Resolved once (a Hub id is fetched here), so the config, weights and tokenizer come from one snapshot.
     source = resolve_model(model, **config.model_location())
     check_has_weights(source, config.load_format)  # before any work: a preset names only shapes
+    if not config.skip_tokenizer_init:
+        check_has_tokenizer(source)
     facts = model_facts(model, source)
     mesh = sharding.replica_mesh(facts.config, config.tensor_parallel, config.data_parallel, replica)
     devices = jax.devices()[:1] if mesh is None else mesh.local_devices
@@ -80,7 +82,7 @@ def _build(resolved: ResolvedConfig, source: ModelSource, config: EngineConfig, 
     log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", resolved.model, resolved.dtype,
              resolved.quantization, num_params(mc) / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
              time.perf_counter() - t0)
-    tokenizer = load_tokenizer(source)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
     mc = mc.for_context(resolved.max_model_len)
     multi = jax.process_count() > 1
     resolved = size_kv_pool(resolved, mc, DeviceFacts.gather(devices), config.kv_cache_memory_fraction,

@@ -343,7 +343,8 @@ class AsyncEngine:
         cause = None  # why serving ends: "" when the front end stopped it, else the one line the log says
         try:
             # While the core warms up (a Hub id: from the cache `jaxinfer serve` fetched it into first).
-            self.tokenizer = load_tokenizer(resolve_model(self._model, **self._config.model_location()))
+            self.tokenizer = None if self._config.skip_tokenizer_init else \
+                load_tokenizer(resolve_model(self._model, **self._config.model_location()))
             if self.tokenizer is not None:
                 # Built now rather than by the first constrained request, whose preparation would hold
                 # the GIL for its ~0.3 s of Python (seconds on a busy CPU) and stall the event loop.
