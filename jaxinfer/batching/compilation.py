@@ -62,13 +62,12 @@ def warmup_plan(buckets: Buckets, decode_max_seqs: int, greedy_in_step: bool, nu
 
 
 def first_steps(plan: list[PlannedStep], buckets: Buckets) -> list[PlannedStep]:
-    """The steps of ``plan`` a single request meets first: one sequence at the smallest page bucket,
-    decoding (the smallest token bucket) or prefilling at the token budget (the largest), greedy and
-    sampled, one step at a time (a multi-step decode not yet compiled runs as single steps). What a
-    background warm-up compiles before it returns."""
+    """The steps of ``plan`` a single request meets: one sequence at the smallest page bucket, its
+    prompt prefilled in any token bucket (whatever its length) and its decode, one step and several
+    per dispatch, greedy and sampled. What a background warm-up compiles before it returns, so the
+    server's first request (a chat of any length) waits for no compilation."""
     b = buckets
-    return [p for p in plan if p.shape[1:] == (b.seqs[0], b.pages[0]) and p.shape[0] in (b.tokens[0], b.tokens[-1])
-            and p.steps == 1]
+    return [p for p in plan if p.shape[1:] == (b.seqs[0], b.pages[0])]
 
 
 class CompilationManager:

@@ -92,6 +92,8 @@ def main(argv: list[str]) -> None:
     args = p.parse(argv)
     model = options.model_of(p, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # its INFO lines (no libtpu, cache resets) are noise here
+    logging.info("jaxinfer serve %s: starting", model)
     serving = args.coordinator_address is None or args.process_id == 0
     sock = listening_socket(args.host, args.port) if serving else None
     key = api_key(args.api_key, args.api_key_file)

@@ -23,6 +23,7 @@ core -> front end:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import signal
@@ -33,10 +34,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
-from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching import multihost
+from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import LLMEngine
 from jaxinfer.batching.factory import create_engine
 from jaxinfer.batching.outputs import EngineOutput
@@ -89,16 +91,23 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end owns shutdown (SIGTERM drain)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # its INFO lines (no libtpu, cache resets) are noise here
     t0 = time.monotonic()
+    heartbeat = _Heartbeat()
     try:
         if distributed is not None:
             multihost.initialize(*distributed)
-        engine = create_engine(model, config)
-        # /health answers once a single request's first steps are compiled; the rest compile meanwhile
-        warmup = engine.warmup(structured=warmup_structured, background=True)
+        log.info("started: JAX %s on %s", jax.__version__, jax.default_backend())
+        with heartbeat.phase(f"loading {model}"):
+            engine = create_engine(model, config)
+        # /health answers once a single request's steps are compiled; the rest compile meanwhile
+        with heartbeat.phase("compiling the steps of a first request"):
+            warmup = engine.warmup(structured=warmup_structured, background=True)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which exits
         outputs.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    finally:
+        heartbeat.stop()
     log.info("ready in %.1fs: model loaded, %d step shapes compiled in %.1fs", time.monotonic() - t0,
              engine.num_compilations, warmup)
     outputs.send(("ready", dict(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
@@ -114,6 +123,35 @@ def run(model: str, config: EngineConfig, commands: Connection, outputs: Connect
     finally:
         engine.wait_warmup(stop=True)  # exiting while the warm-up thread is inside XLA aborts the process
     outbox.close()
+
+
+class _Heartbeat:
+    """While a start-up phase runs, a log line every ``every`` seconds saying what is still under way,
+    so a start-up never goes quiet long enough to look hung (one XLA compile or a weight conversion
+    can take seconds without a word)."""
+
+    def __init__(self, every: float = 2.5):
+        self.every = every
+        self._what: tuple[str, float] | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
+
+    @contextlib.contextmanager
+    def phase(self, what: str):
+        self._what = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._what = None
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every):
+            current = self._what
+            if current is not None:
+                log.info("still %s (%.0fs)", current[0], time.monotonic() - current[1])
 
 
 class _Outbox:
