@@ -754,3 +754,51 @@ def test_sigterm_finishes_running_and_exits_0(tiny):
     assert streamed > 200 and events[-1]["choices"][0]["finish_reason"] == "length"
     assert tiny.proc.wait(60) == 0, tiny.tail()
     assert "Finished server process" in tiny.tail()
+
+
+# vLLM's request fields beyond OpenAI's (its CompletionRequest / ChatCompletionRequest extras).
+VLLM_EXTRAS = {
+    "both": ["best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+             "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+             "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+             "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
+             "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "request_id",
+             "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
+             "kv_transfer_params", "vllm_xargs", "add_special_tokens"],
+    "completions": ["echo", "response_format", "prompt_embeds"],
+    "chat": ["add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+             "documents", "mm_processor_kwargs"],
+}
+
+
+def test_every_openai_and_vllm_request_field_is_served_or_refused():
+    """No field is silently dropped: every field of the ``openai`` client's request types and vLLM's
+    extras is declared by the server's request models, so it is honoured or, where it would change the
+    output and is not served, refused by name (a value other than its default is a 400); an unknown field
+    is named in X-Ignored-Fields (test_vllm_sampling_fields)."""
+    import typing
+
+    from openai.types import completion_create_params, embedding_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    from jaxinfer.server import protocol
+
+    def declared(model):
+        return {f.alias or name for name, f in model.model_fields.items()}
+
+    openai_fields = {
+        protocol.CompletionRequest: typing.get_type_hints(completion_create_params.CompletionCreateParamsBase),
+        protocol.ChatCompletionRequest: typing.get_type_hints(chat_create_params.CompletionCreateParamsBase),
+        protocol.EmbeddingRequest: typing.get_type_hints(embedding_create_params.EmbeddingCreateParams)}
+    vllm = {protocol.CompletionRequest: VLLM_EXTRAS["both"] + VLLM_EXTRAS["completions"],
+            protocol.ChatCompletionRequest: VLLM_EXTRAS["both"] + VLLM_EXTRAS["chat"], protocol.EmbeddingRequest: []}
+    for model, fields in openai_fields.items():
+        streamed = {"stream"} if model is not protocol.EmbeddingRequest else set()
+        missing = (set(fields) | streamed | set(vllm[model])) - declared(model)
+        assert not missing, f"{model.__name__} drops {sorted(missing)}"
+    # a refused field: its default passes, another value is a 400 naming it
+    for field, value in [("length_penalty", 2.0), ("echo", True), ("prompt_logprobs", 1), ("cache_salt", "s")]:
+        body = json.dumps({"prompt": "hi", field: value}).encode()
+        with pytest.raises(protocol.APIError) as e:
+            protocol.parse(protocol.CompletionRequest, body)
+        assert e.value.status == 400 and e.value.param == field and "not supported" in e.value.message

@@ -184,12 +184,30 @@ class _Sampling(_Request):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    request_id: str | None = None  # vLLM's; responses carry the server's own id (X-Request-Id)
+    best_of: _int(1, 1) | None = Field(None, description="only 1: each choice is generated once, none discarded")
+    guided_decoding_backend: Literal["auto", "guidance"] | None = None  # vLLM's; llguidance is the one here
     # Output options this server does not serve except at their defaults (refused by name otherwise)
     prompt_logprobs: None = None
     skip_special_tokens: Literal[True] = True
+    spaces_between_special_tokens: Literal[True] = True
     include_stop_str_in_output: Literal[False] = False
     use_beam_search: Literal[False] = False
+    length_penalty: Literal[1, 1.0] = 1.0
+    allowed_token_ids: None = None
+    bad_words: None = None
+    truncate_prompt_tokens: None = None
+    logits_processors: None = None
+    return_tokens_as_token_ids: Literal[False] = False
+    return_token_ids: Literal[False] = False
+    add_special_tokens: None = None
+    structural_tag: None = None
+    guided_whitespace_pattern: None = None
+    cache_salt: None = None
+    kv_transfer_params: None = None
+    vllm_xargs: None = None
     # vLLM's constraint fields, so its clients work unchanged (at most one constraint per request).
     guided_json: dict | SchemaText | None = None
     guided_regex: Regex | None = None
@@ -223,9 +241,10 @@ class CompletionRequest(_Sampling):
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
     logprobs: Logprobs | None = None
-    echo: bool = Field(False, json_schema_extra={"const": False})  # unsupported
+    echo: Literal[False] = False  # unsupported
     suffix: None = None  # unsupported
-    best_of: _int(1, 1) | None = Field(None, description="only 1: each choice is generated once, none discarded")
+    response_format: None = None  # unsupported on completions (vLLM's extra); the chat route serves it
+    prompt_embeds: None = None  # unsupported
 
 
 class TextPart(_Strict):
@@ -278,6 +297,12 @@ class ChatCompletionRequest(_Sampling):
     verbosity: None = None
     add_generation_prompt: Literal[True] = True
     continue_final_message: Literal[False] = False
+    moderation: None = None
+    prompt_cache_options: dict | None = None  # OpenAI's prompt cache bookkeeping, as prompt_cache_key
+    chat_template: None = None
+    chat_template_kwargs: None = None
+    documents: None = None
+    mm_processor_kwargs: None = None
 
 
 # Plain-words types for fields whose pydantic union errors would list every alternative.
@@ -325,20 +350,23 @@ def parse(model: type[BaseModel], body: bytes):
 
 # Options this server does not support: refused by name rather than ignored (the schema admits only
 # the values that mean "off").
-_UNSUPPORTED = frozenset({"echo", "suffix", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output",
-                          "use_beam_search", "modalities", "audio", "prediction", "functions", "function_call",
-                          "web_search_options", "reasoning_effort", "verbosity", "add_generation_prompt",
-                          "continue_final_message"})
+_UNSUPPORTED = frozenset({
+    "echo", "suffix", "response_format", "prompt_embeds", "prompt_logprobs", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids",
+    "return_token_ids", "add_special_tokens", "structural_tag", "guided_whitespace_pattern", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "modalities", "audio", "prediction", "functions", "function_call",
+    "web_search_options", "reasoning_effort", "verbosity", "add_generation_prompt", "continue_final_message",
+    "moderation", "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
+    "guided_decoding_backend"})
 # Range errors in the words SamplingParams uses (every length minimum above is 1: "non-empty").
 _BOUNDS = {"greater_than_equal": ">= {ge}", "less_than_equal": "<= {le}", "greater_than": "> {gt}",
            "less_than": "< {lt}", "too_short": "non-empty", "string_too_short": "non-empty"}
 
 
 def check_supported(req: _Sampling, scheduling_policy: str = "fcfs") -> None:
-    """Reject what the types let through but this server would silently ignore: ``echo``, and a
-    ``priority`` other than 0 where the server does not schedule by priority (as vLLM refuses it)."""
-    if getattr(req, "echo", False):
-        raise APIError(400, "'echo' is not supported by this server", param="echo", code="unsupported")
+    """Reject what the types let through but this server would silently ignore: a ``priority`` other
+    than 0 where the server does not schedule by priority (as vLLM refuses it)."""
     if req.priority != 0 and scheduling_policy != "priority":
         raise APIError(400, f"'priority' is {req.priority}, but this server schedules {scheduling_policy}, not by "
                             "priority (serve with --scheduling_policy=priority)", param="priority",
