@@ -2,7 +2,7 @@
 ``benchmarks/benchmark.py`` process (same flags otherwise, so the rows differ only in the cache), then one
 table and one JSON of all the runs found in ``--out_dir``:
 
-- batch-1 decode at a long context (``--latency_prompt_len``, default 4096, then 256 new tokens):
+- batch-1 decode at a long context (``--latency-prompt-len``, default 4096, then 256 new tokens):
   ms/token, the attention kernels' share of it, bytes read per step (weights + KV);
 - throughput, 1000 x (512 random prompt + 256 out) at 256 sequences: output tok/s, and the 256-sequence
   decode step (context 640) split into attention and the rest;
@@ -10,27 +10,48 @@ table and one JSON of all the runs found in ``--out_dir``:
   sequences of 4,096 + 256 tokens (and of 512 + 256) fit at once.
 
 One dtype per call keeps each under 10 minutes on an H200 (llama3-8b, dummy weights); runs already in
-``--out_dir`` are kept, so the summary grows call by call:
+``--out-dir`` are kept, so the summary grows call by call:
 
-    for kv in auto int8 fp8; do python benchmarks/bench_kv_quant.py --kv_cache_dtypes $kv --out_dir $OUT; done
+    for kv in auto int8 fp8; do python benchmarks/bench_kv_quant.py --kv-cache-dtypes $kv --out-dir $OUT; done
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
-from absl import app, flags
+from jaxinfer.cli.options import Parser
+from jaxinfer.formats import KV_CACHE_DTYPES
 
-flags.DEFINE_string("model", "llama3-8b", "Preset (dummy weights).")
-flags.DEFINE_list("kv_cache_dtypes", ["auto", "int8", "fp8"], "KV cache dtypes to run, one process each.")
-flags.DEFINE_integer("latency_prompt_len", 4096, "Prompt tokens of the batch-1 latency run.")
-flags.DEFINE_string("workloads", "latency,throughput", "benchmark.py workloads per dtype.")
-flags.DEFINE_string("compilation_cache_dir", "/tmp/xla-cache", "Shared persistent compilation cache.")
-flags.DEFINE_string("out_dir", os.environ.get("OUT", "results"), "Where the per-dtype and summary JSON go.")
-F = flags.FLAGS
+
+def kv_cache_dtypes(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in KV_CACHE_DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: not one of {', '.join(KV_CACHE_DTYPES)}")
+    return values
+
+
+def parser() -> Parser:
+    p = Parser("bench_kv_quant.py", __doc__)
+    p.option(None, "model", default="llama3-8b", help="Preset (dummy weights) [default: llama3-8b].")
+    p.option(None, "kv-cache-dtypes", type=kv_cache_dtypes, default=["auto", "int8", "fp8"], metavar="DTYPE,DTYPE",
+             help="KV cache dtypes to run, one process each [default: auto,int8,fp8].")
+    p.option(None, "latency-prompt-len", type=int, default=4096, help="Prompt tokens of the batch-1 latency run "
+             "[default: 4096].")
+    p.option(None, "workloads", default="latency,throughput", help="benchmark.py workloads per dtype "
+             "[default: latency,throughput].")
+    p.option(None, "compilation-cache-dir", default="/tmp/xla-cache", help="Shared persistent compilation cache "
+             "[default: /tmp/xla-cache].")
+    p.option(None, "out-dir", default=os.environ.get("OUT", "results"), help="Where the per-dtype and summary "
+             "JSON go [default: $OUT, else results].")
+    return p
+
+
+F = argparse.Namespace()  # the parsed flags (main sets them)
 
 PAGE_SIZE = 16  # benchmark.py's engines use the default page size
 
@@ -38,8 +59,8 @@ PAGE_SIZE = 16  # benchmark.py's engines use the default page size
 def run_one(kv: str) -> None:
     out = os.path.join(F.out_dir, f"kvq-{F.model}-{kv}.json")
     cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "benchmark.py"), "--model", F.model,
-           "--load_format", "dummy", "--kv_cache_dtype", kv, "--workload", F.workloads,
-           "--latency_prompt_len", str(F.latency_prompt_len), "--compilation_cache_dir", F.compilation_cache_dir,
+           "--load-format", "dummy", "--kv-cache-dtype", kv, "--workload", F.workloads,
+           "--latency-prompt-len", str(F.latency_prompt_len), "--compilation-cache-dir", F.compilation_cache_dir,
            "--out", out]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=False)  # a failed dtype leaves its partial JSON; the others still run
@@ -74,8 +95,9 @@ def summarize() -> dict:
     return dict(model=F.model, load_format="dummy", rows=rows)
 
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> None:
+    global F
+    F = parser().parse(argv)
     os.makedirs(F.out_dir, exist_ok=True)
     for kv in F.kv_cache_dtypes:
         run_one(kv)
@@ -98,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

@@ -18,21 +18,32 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 
+from jaxinfer.cli.options import Parser
 from jaxinfer.models.config import PRESETS
 from jaxinfer.models.decoder import first_token_layer
 from jaxinfer.models.spec import param_spec
 from jaxinfer.quant import quantize
 
-flags.DEFINE_string("model", "llama3-8b", "Preset whose layer shapes are quantized.")
-flags.DEFINE_list("schemes", ["int8", "int4-g32", "int4-g64", "int4-g128", "fp8"], "Schemes to time.")
-flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "results"), "quantize-time.json"), "JSON results.")
-F = flags.FLAGS
+
+def comma_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def main(argv):
-    del argv
+def parser() -> Parser:
+    p = Parser("bench_quantize.py", __doc__)
+    p.option(None, "model", choices=sorted(PRESETS), default="llama3-8b", metavar="PRESET",
+             help="Preset whose layer shapes are quantized [default: llama3-8b].")
+    p.option(None, "schemes", type=comma_list,
+             default=["int8", "int4-g32", "int4-g64", "int4-g128", "fp8"], metavar="SCHEME,SCHEME",
+             help="Schemes to time [default: int8,int4-g32,int4-g64,int4-g128,fp8].")
+    p.option(None, "out", default=os.path.join(os.environ.get("OUT", "results"), "quantize-time.json"),
+             help="JSON results [default: $OUT/quantize-time.json, else results/].")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    F = parser().parse(argv)
     config = PRESETS[F.model]
     spec = param_spec(config).layer
     key = jax.random.PRNGKey(0)
@@ -77,4 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

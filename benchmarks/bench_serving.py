@@ -2,20 +2,22 @@
 optionally the offline engine on the same requests in the same run, so the server-to-engine ratio is one command.
 
     jaxinfer serve &                                           # then, once /health answers 200:
-    python benchmarks/bench_serving.py --num_prompts 64 --request_rate 4 --out bench.json
+    python benchmarks/bench_serving.py --num-prompts 64 --request-rate 4 --out bench.json
     # Everything in one run: start the server, load it, stop it, run the same requests offline.
-    python benchmarks/bench_serving.py --launch --offline --model smollm2-135m --num_prompts 64 \\
-        --max_concurrency 16 --max_num_seqs 16 --input_len 32 --output_len 32 --out bench.json
+    python benchmarks/bench_serving.py --launch --offline --model smollm2-135m --num-prompts 64 \\
+        --max-concurrency 16 --max-num-seqs 16 --input-len 32 --output-len 32 --out bench.json
 
 Reports throughput, TTFT, TPOT (per request: (latency - TTFT) / (tokens - 1)), inter-token latency
 (gaps between streamed chunks) and e2e percentiles, and the number of failed streams. Outputs are
-fixed-length (ignore_eos) and greedy by default so runs are comparable. With --launch the server gets
-this script's engine flags (engine_flags.py), and --offline builds the very same EngineConfig.
-Requests are sent from --client_processes processes so that the client is not the bottleneck.
+fixed-length (ignore_eos) and greedy by default so runs are comparable. The engine options are the
+server's own flags, with its defaults (jaxinfer/cli/options.py; --help lists them): with --launch the
+server gets them all (``options.command_line``), and --offline builds the very same EngineConfig.
+Requests are sent from --client-processes processes so that the client is not the bottleneck.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
@@ -31,39 +33,57 @@ import time
 
 import httpx
 import numpy as np
-from absl import app, flags
 
-from jaxinfer.cli import engine_flags, model_flags
+from jaxinfer.cli import options
+from jaxinfer.cli.options import Parser
+from jaxinfer.cli.serve import ENGINE_DEFAULTS
 from server_launch import SERVE, free_port, wait_healthy  # a benchmark's folder is on sys.path when it runs
 
-flags.adopt_module_key_flags(model_flags)
-flags.adopt_module_key_flags(engine_flags)
-flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "Server address (ignored with --launch).")
-flags.DEFINE_boolean("launch", False, "Start jaxinfer serve with this script's model and engine flags, "
-                     "wait until it is healthy, and stop it after the load.")
-flags.DEFINE_float("launch_timeout", 1800.0, "--launch: seconds to wait for /health (warm-up compiles every shape).")
-flags.DEFINE_boolean("offline", False, "Also run the same requests through the offline engine (same config, "
-                     "same concurrency) after the server run, and report server / offline throughput.")
-flags.DEFINE_enum("endpoint", "completions", ["completions", "chat"], "Which API to load.")
-flags.DEFINE_integer("num_prompts", 64, "Requests to send.")
-flags.DEFINE_integer("input_len", None, "Random prompts of exactly this many token ids (vLLM's random dataset); "
-                     "default: short text prompts (about 10 tokens).")
-flags.DEFINE_integer("random_vocab", 10000, "--input_len: token ids are drawn from [10, random_vocab).")
-flags.DEFINE_integer("output_len", None, "Tokens to generate per request (alias of --max_tokens).")
-flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per request.")
-flags.DEFINE_float("request_rate", float("inf"), "Mean arrivals per second (Poisson); inf sends all at once.")
-flags.DEFINE_integer("max_concurrency", None, "Most requests in flight at a time (default: unbounded).")
-flags.DEFINE_integer("client_processes", 1, "Client processes sharing the requests (and the concurrency).")
-flags.DEFINE_boolean("ignore_eos", True, "Generate exactly --max_tokens tokens per request.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
-flags.DEFINE_integer("seed", 0, "Seed for prompts and arrival times.")
-flags.DEFINE_string("response_format", None, "Constrain every request's output: 'json_object', or a JSON schema "
-                    "file (chat sends response_format, completions vLLM's structured_outputs; offline: "
-                    "SamplingParams.structured). A constrained request stops when its JSON is complete.")
-flags.DEFINE_string("api_key", None, "Bearer token, if the server wants one.")
-flags.DEFINE_string("name", "serving", "Name of this run in the JSON file.")
-flags.DEFINE_string("out", None, "JSON file to write the results to, under --name (other runs in it are kept).")
-F = flags.FLAGS
+
+def parser() -> Parser:
+    """This script's flags, and the engine options of ``jaxinfer serve`` with its defaults (the server's
+    on a small CPU) but ``seed``: here the seed of the prompts and arrival times."""
+    p = Parser("bench_serving.py", __doc__)
+    options.add_model_argument(p)  # --launch / --offline; else the server's own
+    g = p.add_argument_group("load")
+    p.option(g, "base-url", default="http://127.0.0.1:8000", help="Server address (ignored with --launch).")
+    p.flag(g, "launch", default=False, help="Start jaxinfer serve with this script's model and engine options, "
+           "wait until it is healthy, and stop it after the load.")
+    p.option(g, "launch-timeout", type=float, default=1800.0, help="--launch: seconds to wait for /health (warm-up "
+             "compiles every shape) [default: 1800].")
+    p.flag(g, "offline", default=False, help="Also run the same requests through the offline engine (same config, "
+           "same concurrency) after the server run, and report server / offline throughput.")
+    p.option(g, "endpoint", choices=("completions", "chat"), default="completions",
+             help="Which API to load [default: completions].")
+    p.option(g, "num-prompts", type=int, default=64, help="Requests to send [default: 64].")
+    p.option(g, "input-len", type=int, default=None, help="Random prompts of exactly this many token ids (vLLM's "
+             "random dataset); default: short text prompts (about 10 tokens).")
+    p.option(g, "random-vocab", type=int, default=10000, help="--input-len: token ids are drawn from "
+             "[10, random_vocab) [default: 10000].")
+    p.option(g, "output-len", type=int, default=None, help="Tokens to generate per request (alias of --max-tokens).")
+    p.option(g, "max-tokens", type=int, default=64, help="Tokens to generate per request [default: 64].")
+    p.option(g, "request-rate", type=float, default=float("inf"), help="Mean arrivals per second (Poisson); inf "
+             "sends all at once [default: inf].")
+    p.option(g, "max-concurrency", type=int, default=None, help="Most requests in flight at a time (default: "
+             "unbounded).")
+    p.option(g, "client-processes", type=int, default=1, help="Client processes sharing the requests (and the "
+             "concurrency) [default: 1].")
+    p.flag(g, "ignore-eos", default=True, help="Generate exactly --max-tokens tokens per request.")
+    p.option(g, "temperature", type=float, default=0.0, help="Sampling temperature [default: 0].")
+    p.option(g, "seed", dest="load_seed", type=int, default=0, metavar="SEED", help="Seed for prompts and arrival times "
+             "[default: 0].")
+    p.option(g, "response-format", default=None, help="Constrain every request's output: 'json_object', or a JSON "
+             "schema file (chat sends response_format, completions vLLM's structured_outputs; offline: "
+             "SamplingParams.structured). A constrained request stops when its JSON is complete.")
+    p.option(g, "api-key", default=None, help="Bearer token, if the server wants one.")
+    p.option(g, "name", default="serving", help="Name of this run in the JSON file [default: serving].")
+    p.option(g, "out", default=None, help="JSON file to write the results to, under --name (other runs in it are "
+             "kept).")
+    options.add_engine_options(p, defaults=ENGINE_DEFAULTS, exclude=("seed",))
+    return p
+
+
+F = argparse.Namespace()  # the parsed flags (main sets them)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SUBJECTS = ["the sea", "a lighthouse keeper", "black holes", "sourdough bread", "the Roman empire", "a lost robot",
@@ -85,7 +105,7 @@ class Result:
 
 @dataclasses.dataclass(frozen=True)
 class Load:
-    """What each client process needs (absl flags are not parsed in spawned workers)."""
+    """What each client process needs (the flags are parsed in this process only)."""
 
     base_url: str
     model: str
@@ -97,7 +117,7 @@ class Load:
     max_concurrency: int
     api_key: str | None
     seed: int
-    constraint: dict | None = None  # --response_format: fields added to every request body
+    constraint: dict | None = None  # --response-format: fields added to every request body
 
 
 def make_prompts(n: int, rng: np.random.Generator) -> list:
@@ -150,7 +170,7 @@ async def one_request(http: httpx.AsyncClient, load: Load, prompt) -> Result:
 
 
 def constraint_schema() -> dict | None:
-    """--response_format as a JSON schema ({} for json_object), or None."""
+    """--response-format as a JSON schema ({} for json_object), or None."""
     if F.response_format in (None, "json_object"):
         return None if F.response_format is None else {}
     with open(F.response_format) as f:
@@ -158,7 +178,7 @@ def constraint_schema() -> dict | None:
 
 
 def request_constraint(endpoint: str) -> dict | None:
-    """The body fields that carry --response_format to the server."""
+    """The body fields that carry --response-format to the server."""
     schema = constraint_schema()
     if schema is None:
         return None
@@ -198,7 +218,7 @@ def client_process(load: Load, prompts: list) -> tuple[list[Result], float, floa
 
 
 def run_clients(load: Load, prompts: list) -> tuple[list[Result], float]:
-    """Split the prompts (round-robin), the concurrency and the rate over --client_processes processes."""
+    """Split the prompts (round-robin), the concurrency and the rate over --client-processes processes."""
     k = max(1, min(F.client_processes, len(prompts)))
     if k == 1:
         results, t0, t1 = client_process(load, prompts)
@@ -245,15 +265,14 @@ def percentiles(samples: dict[str, list[float]]) -> dict:
 
 
 class LaunchedServer:
-    """``jaxinfer serve`` with this run's model and engine flags, on a free port."""
+    """``jaxinfer serve`` with this run's model and engine options (every one, ``config``), on a free port."""
 
-    def __init__(self, max_waiting: int):
+    def __init__(self, model: str, config, max_waiting: int):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log", delete=False)
-        cmd = [*SERVE, f"--port={port}",
-               f"--max_waiting={max_waiting}", *engine_flags.command_line(),
-               *(["--warmup_structured"] if F.response_format else [])]
+        cmd = [*SERVE, f"--model={model}", f"--port={port}", f"--max-waiting={max_waiting}",
+               *options.command_line(config), *(["--warmup-structured"] if F.response_format else [])]
         print("launching:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         try:  # load + compile (or cache reads) until healthy
@@ -280,15 +299,16 @@ class LaunchedServer:
 # ----------------------------------------------------------------------------- the offline peer
 
 
-def run_offline(prompts: list, concurrency: int) -> dict:
-    """The same requests through ``LLMEngine`` in this process, at most ``concurrency`` in flight (as the
-    clients keep the server), with per-request TTFT/TPOT from step timestamps. Compiles first."""
+def run_offline(model: str, config, prompts: list, concurrency: int) -> dict:
+    """The same requests through ``LLMEngine`` in this process (``model``, the server's ``config``), at
+    most ``concurrency`` in flight (as the clients keep the server), with per-request TTFT/TPOT from step
+    timestamps. Compiles first."""
     import jax
 
     from jaxinfer import LLM, SamplingParams, StructuredOutputs
 
     t0 = time.perf_counter()
-    llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
+    llm = LLM(model, **dataclasses.asdict(config))
     schema = constraint_schema()
     structured = None if schema is None else StructuredOutputs(json=schema) if schema else \
         StructuredOutputs(json_object=True)
@@ -337,32 +357,37 @@ def _print_row(name: str, s: dict) -> None:
     print(f"{name:<8} {s['output_token_throughput']:10.1f} out tok/s  failed {s.get('failed', 0):4d}  {lat}")
 
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> None:
+    global F
+    p = parser()
+    F = p.parse(argv)
+    model = options.model_of(p, F)
+    config = options.engine_config(p, F)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if F.output_len is not None:
         F.max_tokens = F.output_len
     if F.input_len and F.endpoint == "chat":
-        raise app.UsageError("--input_len makes token-id prompts, which only --endpoint=completions takes")
-    rng = np.random.default_rng(F.seed)
+        p.error("--input-len makes token-id prompts, which only --endpoint=completions takes")
+    rng = np.random.default_rng(F.load_seed)
     prompts = make_prompts(F.num_prompts, rng)
     concurrency = F.max_concurrency or len(prompts)
-    server = LaunchedServer(max_waiting=len(prompts)) if F.launch else None
+    server = LaunchedServer(model, config, max_waiting=len(prompts)) if F.launch else None
     try:
         base_url = server.url if server else F.base_url
-        model = httpx.get(f"{base_url}/v1/models", timeout=30,
-                          headers={"Authorization": f"Bearer {F.api_key}"} if F.api_key else {}).json()["data"][0]["id"]
-        load = Load(base_url, model, F.endpoint, F.max_tokens, F.temperature, F.ignore_eos, F.request_rate,
-                    concurrency, F.api_key, F.seed, request_constraint(F.endpoint))
+        served = httpx.get(f"{base_url}/v1/models", timeout=30,
+                           headers={"Authorization": f"Bearer {F.api_key}"} if F.api_key else {}).json()["data"][0]["id"]
+        load = Load(base_url, served, F.endpoint, F.max_tokens, F.temperature, F.ignore_eos, F.request_rate,
+                    concurrency, F.api_key, F.load_seed, request_constraint(F.endpoint))
         results, duration = run_clients(load, prompts)
     finally:
         if server:
             server.stop()
     summary = summarize(results, duration)
-    summary["config"] = {k: F[k].value for k in ("endpoint", "num_prompts", "input_len", "max_tokens",
-                                                 "request_rate", "max_concurrency", "client_processes",
-                                                 "ignore_eos", "temperature", "response_format",
-                                                 *engine_flags.NAMES)}
+    summary["config"] = dict({k: getattr(F, k) for k in ("endpoint", "num_prompts", "input_len", "max_tokens",
+                                                         "request_rate", "max_concurrency", "client_processes",
+                                                         "ignore_eos", "temperature", "response_format")},
+                             model=model, **dataclasses.asdict(config))
     summary["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
     summary["server_output_tok_s"] = summary["output_token_throughput"]
     if server:
@@ -371,7 +396,7 @@ def main(argv):
           f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s")
     _print_row("server", summary)
     if F.offline:
-        offline = run_offline(prompts, concurrency)
+        offline = run_offline(model, config, prompts, concurrency)
         summary["offline"] = offline
         summary["offline_output_tok_s"] = offline["output_token_throughput"]
         summary["ratio"] = summary["server_output_tok_s"] / offline["output_token_throughput"]
@@ -396,4 +421,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

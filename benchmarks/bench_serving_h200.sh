@@ -9,14 +9,14 @@
 # /tmp/xla-cache) and both of its engines read their executables from the cache.
 # MODEL_DIR (default /tmp/llama3-8b-smollm2tok) is made on first use: llama3-8b shapes + SmolLM2's tokenizer.
 source "$(dirname "$0")/gpu_model_dir.sh"
-COMMON=(--launch --offline --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 --output_len 256
-        --compilation_cache_dir /tmp/xla-cache --out "$OUT/serving-h200.json")
-THROUGHPUT=(--max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256
-            --page_buckets 64 --num_prompts 1000 --max_concurrency 256 --client_processes 8)
+COMMON=(--launch --offline --model "$MODEL_DIR" --load-format dummy --max-model-len 1024 --output-len 256
+        --compilation-cache-dir /tmp/xla-cache --out "$OUT/serving-h200.json")
+THROUGHPUT=(--max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256,1024,2048 --seq-buckets 256
+            --page-buckets 64 --num-prompts 1000 --max-concurrency 256 --client-processes 8)
 case "${1:?short, long or batch1}" in
   short)  $PY benchmarks/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --name short-x256 ;;
-  long)   $PY benchmarks/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --input_len 512 --name in512-x256 ;;
-  batch1) $PY benchmarks/bench_serving.py "${COMMON[@]}" --max_num_seqs 1 --max_num_batched_tokens 128 \
-            --token_buckets 1,128 --seq_buckets 1 --page_buckets 64 --num_prompts 16 --max_concurrency 1 --name batch1 ;;
+  long)   $PY benchmarks/bench_serving.py "${COMMON[@]}" "${THROUGHPUT[@]}" --input-len 512 --name in512-x256 ;;
+  batch1) $PY benchmarks/bench_serving.py "${COMMON[@]}" --max-num-seqs 1 --max-num-batched-tokens 128 \
+            --token-buckets 1,128 --seq-buckets 1 --page-buckets 64 --num-prompts 16 --max-concurrency 1 --name batch1 ;;
   *) echo "unknown workload $1" >&2; exit 2 ;;
 esac

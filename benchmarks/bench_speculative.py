@@ -4,54 +4,85 @@ Workloads (``--workload``):
   cpu     the embedded model at batch 1, greedy, on the input-grounded prompts of
           tests/data/spec_prompts.json: decode tok/s without and with n-gram proposals (k =
           ``--k``), token identity checked, acceptance rate and mean accepted length.
-  verify  one step alone at each ``--batch_sizes``: a plain decode step against a verify step
+  verify  one step alone at each ``--batch-sizes``: a plain decode step against a verify step
           (last token + k proposals per sequence). Memory-bound decode reads the weights once either way.
-  replay  end-to-end tok/s at each ``--batch_sizes`` (random prompts): plain greedy against speculation
+  replay  end-to-end tok/s at each ``--batch-sizes`` (random prompts): plain greedy against speculation
           by a replay proposer that proposes what the plain run produced (acceptance ~1, proposing free):
           the machinery's ceiling, and where speculation stops paying as the batch grows.
           ``--overlap on,off`` times the speculative run with verifying steps kept in flight and
           synchronous, one engine built per mode (``speculative_overlap``), each against its own
           plain run (``cpu`` takes it too).
-  draft   the ``draft`` proposer (``--draft_model``) end to end at each ``--batch_sizes``: time spent
+  draft   the ``draft`` proposer (``--draft-model``) end to end at each ``--batch-sizes``: time spent
           proposing per proposed token against the target's step time (random weights make its
           acceptance meaningless; the cost is what this measures).
 
     python benchmarks/bench_speculative.py --workload cpu --out docs/results/cpu-speculative.json
-    python benchmarks/bench_speculative.py --model llama3-8b --load_format dummy --workload verify,replay \\
-        --batch_sizes 1,64,256 --out $OUT/spec-llama3-8b.json
-    python benchmarks/bench_speculative.py --model llama3-8b --load_format dummy --workload draft \\
-        --draft_model llama3.2-1b --batch_sizes 1 --out $OUT/spec-draft.json
+    python benchmarks/bench_speculative.py --model llama3-8b --load-format dummy --workload verify,replay \\
+        --batch-sizes 1,64,256 --out $OUT/spec-llama3-8b.json
+    python benchmarks/bench_speculative.py --model llama3-8b --load-format dummy --workload draft \\
+        --draft-model llama3.2-1b --batch-sizes 1 --out $OUT/spec-draft.json
+
+The other engine options are ``jaxinfer serve``'s flags (jaxinfer/cli/options.py; --help lists them:
+``--load-format``, ``--dtype``, ``--prompt-lookup-min``, ...), but those each workload sets itself
+(sizes, the speculative method and its k, prefix caching off).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import json
 import logging
 import os
+import sys
 import time
 
 import numpy as np
-from absl import app, flags
 
 from engine_probes import host_time, probe_step  # a benchmark's folder is on sys.path when it runs
-from jaxinfer.cli import model_flags
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.cli import options
+from jaxinfer.cli.options import Parser
 
-flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_list("workload", ["cpu"], "Comma-separated: cpu, verify, replay, draft.")
-flags.DEFINE_string("draft_model", "llama3.2-1b", "draft: the speculative_model.")
-flags.DEFINE_integer("k", 4, "num_speculative_tokens.")
-flags.DEFINE_integer("ngram_min", None, "cpu: the engine's ngram_min (default: the engine's, 2 on CPU).")
-flags.DEFINE_integer("max_tokens", 128, "New tokens per request.")
-flags.DEFINE_list("overlap", ["auto"], "cpu/replay: the speculative runs' speculative_overlap, side by side (an "
-                  "engine each): auto (the engine's default: on except on CPU), on, off.")
-flags.DEFINE_integer("replay_passes", 16, "replay: most passes to reach the fixpoint (see replay()).")
-flags.DEFINE_integer("prompt_len", 128, "verify/replay: random prompt length.")
-flags.DEFINE_list("batch_sizes", ["1"], "verify/replay: batch sizes.")
-flags.DEFINE_string("prompts", os.path.join(os.path.dirname(__file__), "..", "tests", "data", "spec_prompts.json"),
-                    "cpu: the input-grounded prompts.")
-flags.DEFINE_string("out", "results/speculative.json", "Where to write the JSON results.")
-F = flags.FLAGS
+# The engine options each workload sets (``make_llm``), so not flags of their own (``--k``,
+# ``--draft-model``, ``--overlap`` set three of them).
+SET_HERE = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "speculative_method",
+            "speculative_model", "num_speculative_tokens", "speculative_max_num_seqs", "speculative_overlap")
+
+
+def comma_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def parser() -> Parser:
+    p = Parser("bench_speculative.py", __doc__)
+    options.add_model_argument(p)
+    g = p.add_argument_group("benchmark")
+    p.option(g, "workload", type=comma_list, default=["cpu"], metavar="NAME,NAME",
+             help="Comma-separated: cpu, verify, replay, draft [default: cpu].")
+    p.option(g, "draft-model", default="llama3.2-1b", help="draft: the speculative_model [default: llama3.2-1b].")
+    p.option(g, "k", type=int, default=4, help="num_speculative_tokens [default: 4].")
+    p.option(g, "max-tokens", type=int, default=128, help="New tokens per request [default: 128].")
+    p.option(g, "overlap", type=comma_list, default=["auto"], metavar="MODE,MODE",
+             help="cpu/replay: the speculative runs' speculative_overlap, side by side (an engine each): auto (the "
+                  "engine's default: on except on CPU), on, off [default: auto].")
+    p.option(g, "replay-passes", type=int, default=16, help="replay: most passes to reach the fixpoint (see "
+             "replay()) [default: 16].")
+    p.option(g, "prompt-len", type=int, default=128, help="verify/replay: random prompt length [default: 128].")
+    p.option(g, "batch-sizes", type=comma_list, default=["1"], metavar="N,N", help="verify/replay: batch sizes "
+             "[default: 1].")
+    p.option(g, "prompts", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data", "spec_prompts.json"),
+             help="cpu: the input-grounded prompts [default: tests/data/spec_prompts.json].")
+    p.option(g, "out", default="results/speculative.json", help="Where to write the JSON results "
+             "[default: results/speculative.json].")
+    options.add_engine_options(p, exclude=SET_HERE)  # ngram_min (--prompt-lookup-min): cpu's, the engine's default
+    return p
+
+
+F = argparse.Namespace()  # the parsed flags (main sets them)
+MODEL = ""
+CONFIG = EngineConfig()  # the engine options of the command line; make_llm sets SET_HERE's
 log = logging.getLogger("bench_speculative")
 
 
@@ -75,13 +106,14 @@ class ReplayProposer:
 OVERLAP = {"auto": None, "on": True, "off": False}
 
 
-def make_llm(max_num_seqs: int, method: str = "ngram", **options):
+def make_llm(max_num_seqs: int, method: str = "ngram", **engine_options):
     from jaxinfer import LLM
     budget = max(512, max_num_seqs * (F.k + 1))
-    return LLM(F.model, **model_flags.load_options(), speculative_method=method, num_speculative_tokens=F.k,
-               ngram_min=F.ngram_min,
-               speculative_max_num_seqs=max_num_seqs, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-               enable_prefix_caching=False, **options)  # each run of a prompt pays its whole prefill, as the first
+    return LLM(MODEL, **{**dataclasses.asdict(CONFIG), **dict(
+        speculative_method=method, num_speculative_tokens=F.k, speculative_max_num_seqs=max_num_seqs,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        enable_prefix_caching=False,  # each run of a prompt pays its whole prefill, as the first
+        **engine_options)})
 
 
 def verified_count(engine) -> int:
@@ -292,11 +324,14 @@ def print_table(results):
               f"{r['acceptance_rate']:>7.2f}   (target step, draft per proposed token)")
 
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> None:
+    global F, MODEL, CONFIG
+    p = parser()
+    F = p.parse(argv)
+    MODEL, CONFIG = options.model_of(p, F), options.engine_config(p, F)
     logging.basicConfig(level=logging.INFO)
     import jax
-    results = dict(model=F.model, backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+    results = dict(model=MODEL, backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
                    jax=jax.__version__, workloads=F.workload)
     for w in F.workload:
         {"cpu": cpu, "verify": verify_cost, "replay": replay, "draft": draft}[w](results)
@@ -307,4 +342,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

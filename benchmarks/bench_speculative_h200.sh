@@ -13,13 +13,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 PY=${PY:-python3}
 mkdir -p "$OUT"
-COMMON=(--model llama3-8b --load_format dummy --k 4 --prompt_len 128 --max_tokens 128 --compilation_cache_dir /tmp/xla-cache)
+COMMON=(--model llama3-8b --load-format dummy --k 4 --prompt-len 128 --max-tokens 128 --compilation-cache-dir /tmp/xla-cache)
 case "${1:?verify, replay1, replay64, replay256 or draft}" in
-  verify) $PY benchmarks/bench_speculative.py "${COMMON[@]}" --workload verify --batch_sizes 1,64,256 \
+  verify) $PY benchmarks/bench_speculative.py "${COMMON[@]}" --workload verify --batch-sizes 1,64,256 \
             --out "$OUT/spec-h200-verify.json" ;;
   replay1|replay64|replay256) $PY benchmarks/bench_speculative.py "${COMMON[@]}" --workload replay \
-            --batch_sizes "${1#replay}" --overlap on,off --out "$OUT/spec-h200-$1.json" ;;
-  draft) $PY benchmarks/bench_speculative.py "${COMMON[@]}" --workload draft --draft_model llama3.2-1b \
-            --batch_sizes 1 --out "$OUT/spec-h200-draft.json" ;;
+            --batch-sizes "${1#replay}" --overlap on,off --out "$OUT/spec-h200-$1.json" ;;
+  draft) $PY benchmarks/bench_speculative.py "${COMMON[@]}" --workload draft --draft-model llama3.2-1b \
+            --batch-sizes 1 --out "$OUT/spec-h200-draft.json" ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """Structured outputs: what constrained decoding costs, side by side in one run.
 
-1. Output throughput of ``--max_num_seqs`` concurrent sequences (``--num_prompts`` requests kept
+1. Output throughput of ``--max-num-seqs`` concurrent sequences (``--num-prompts`` requests kept
    queued so every slot stays busy), every one constrained (``--constraint``: ``schema``, a JSON
-   schema of a record list long enough to fill ``--output_len``; or ``json_object``), against the
+   schema of a record list long enough to fill ``--output-len``; or ``json_object``), against the
    same requests unconstrained, each generating exactly as many tokens as it did constrained
    (``ignore_eos``): the same work, so the ratio is the constraint's cost. Each run goes once
    uncounted (it compiles what it meets), then ``--repeats`` times counted, constrained and free
@@ -15,37 +15,53 @@
    compiled cold in a fresh compiler), and the cache: compiling them all again must hit every time.
 
     python benchmarks/bench_structured.py                                   # CPU, embedded SmolLM2
-    python benchmarks/bench_structured.py --model DIR --load_format dummy ... --repeats 5 --profile  # host overhead
+    python benchmarks/bench_structured.py --model DIR --load-format dummy ... --repeats 5 --profile  # host overhead
     bash benchmarks/bench_structured_h200.sh json_object                    # H200: llama3-8b dummy, 256 sequences
+
+The engine options are ``jaxinfer serve``'s flags with its defaults (jaxinfer/cli/options.py; --help
+lists them): ``--max-num-seqs``, ``--max-model-len``, ``--token-buckets``, ...
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import sys
 import time
 
 import jax
 import numpy as np
-from absl import app, flags
 
 from engine_probes import host_time, steps_done  # a benchmark's folder is on sys.path when it runs
-from jaxinfer.cli import engine_flags, model_flags
+from jaxinfer.cli import options
+from jaxinfer.cli.options import Parser
+from jaxinfer.cli.serve import ENGINE_DEFAULTS
 
-flags.adopt_module_key_flags(engine_flags)
-flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_integer("num_prompts", 48, "Requests per run (queued, so all max_num_seqs slots stay busy).")
-flags.DEFINE_integer("output_len", 128, "Most tokens per request.")
-flags.DEFINE_enum("constraint", "schema", ["schema", "json_object"], "What every constrained request asks for.")
-flags.DEFINE_integer("repeats", 1, "Counted runs of each kind (alternating); medians are reported.")
-flags.DEFINE_boolean("profile", False, "Profile the host side of one more run of each kind (cProfile): "
-                     "the functions with the most own time, printed and in the JSON.")
-flags.DEFINE_string("out", "results/structured.json", "Where to write the JSON results.")
-F = flags.FLAGS
+
+def parser() -> Parser:
+    """This script's flags, and the engine options of ``jaxinfer serve`` with its defaults."""
+    p = Parser("bench_structured.py", __doc__)
+    options.add_model_argument(p)
+    g = p.add_argument_group("benchmark")
+    p.option(g, "num-prompts", type=int, default=48, help="Requests per run (queued, so all max_num_seqs slots "
+             "stay busy) [default: 48].")
+    p.option(g, "output-len", type=int, default=128, help="Most tokens per request [default: 128].")
+    p.option(g, "constraint", choices=("schema", "json_object"), default="schema",
+             help="What every constrained request asks for [default: schema].")
+    p.option(g, "repeats", type=int, default=1, help="Counted runs of each kind (alternating); medians are "
+             "reported [default: 1].")
+    p.flag(g, "profile", default=False, help="Profile the host side of one more run of each kind (cProfile): "
+           "the functions with the most own time, printed and in the JSON.")
+    p.option(g, "out", default="results/structured.json", help="Where to write the JSON results "
+             "[default: results/structured.json].")
+    options.add_engine_options(p, defaults=ENGINE_DEFAULTS)
+    return p
+
 
 SCHEMAS = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "json_schemas.json")
-# Enough records that the constraint does not complete before --output_len: the run measures decode
+# Enough records that the constraint does not complete before --output-len: the run measures decode
 # under the constraint, not shorter requests.
 RECORDS = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -120,22 +136,27 @@ def compile_times(tokenizer, vocab_size, eos) -> dict:
                 cache_hits=comp.hits, cache_misses=comp.misses)
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
+    p = parser()
+    args = p.parse(argv)
+    model = options.model_of(p, args)
+    config = options.engine_config(p, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jaxinfer import LLM, SamplingParams, StructuredOutputs
 
-    llm = LLM(F.model, **dataclasses.asdict(engine_flags.engine_config()))
+    llm = LLM(model, **dataclasses.asdict(config))
     mc = llm.engine.model_config
-    structured = StructuredOutputs(json=RECORDS) if F.constraint == "schema" else StructuredOutputs(json_object=True)
-    prompts = [f"A JSON list of {TOPICS[i % len(TOPICS)]} (#{i}):" for i in range(F.num_prompts)]
+    structured = StructuredOutputs(json=RECORDS) if args.constraint == "schema" else StructuredOutputs(json_object=True)
+    prompts = [f"A JSON list of {TOPICS[i % len(TOPICS)]} (#{i}):" for i in range(args.num_prompts)]
     results = dict(device=f"{jax.devices()[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})",
-                   model=F.model, max_num_seqs=F.max_num_seqs,
-                   num_prompts=F.num_prompts, output_len=F.output_len, constraint=F.constraint)
-    constrained = SamplingParams(max_tokens=F.output_len, temperature=0.0, ignore_eos=True, structured=structured)
+                   model=model, max_num_seqs=config.max_num_seqs,
+                   num_prompts=args.num_prompts, output_len=args.output_len, constraint=args.constraint)
+    constrained = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, structured=structured)
     _, outs = run(llm, prompts, constrained)  # compiles what it meets; fixes each request's length
     free = [SamplingParams(max_tokens=len(o.token_ids), temperature=0.0, ignore_eos=True) for o in outs]
     expected = {"constrained": [o.token_ids for o in outs], "free": [o.token_ids for o in run(llm, prompts, free)[1]]}
     runs = {"constrained": [], "free": []}
-    for _ in range(F.repeats):
+    for _ in range(args.repeats):
         for kind, params in (("constrained", constrained), ("free", free)):
             r, got = run(llm, prompts, params)
             if [o.token_ids for o in got] != expected[kind]:  # greedy: every run the same tokens
@@ -144,21 +165,21 @@ def main(argv):
     for kind in runs:
         results[kind] = median_run(runs[kind])
     results["throughput_ratio"] = results["constrained"]["output_tok_s"] / results["free"]["output_tok_s"]
-    if F.profile:
+    if args.profile:
         results["profile"] = {"constrained": profile(llm, prompts, constrained), "free": profile(llm, prompts, free)}
     results["compile"] = compile_times(llm.tokenizer, mc.vocab_size, mc.eos_token_ids)
-    results["command"] = "python benchmarks/bench_structured.py " + " ".join(argv[1:])
-    os.makedirs(os.path.dirname(F.out) or ".", exist_ok=True)
-    with open(F.out, "w") as f:
+    results["command"] = "python benchmarks/bench_structured.py " + " ".join(argv)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    if F.profile:
+    if args.profile:
         for kind, rows in results["profile"].items():
             print(f"\nhost profile, {kind} run (ms per step; cProfile slows Python down):")
             print(f"{'own':>7} {'cumul':>7} {'calls':>7}  function")
             for r in rows:
                 print(f"{r['own_ms_per_step']:>7.3f} {r['cumulative_ms_per_step']:>7.3f} {r['calls_per_step']:>7.1f}  "
                       f"{r['function']}")
-    print(f"\nmedian of {F.repeats} counted run(s) each:")
+    print(f"\nmedian of {args.repeats} counted run(s) each:")
     print(f"{'run':<12} {'output tok/s':>12} {'tokens':>8} {'steps':>6} {'host ms/step':>13} {'wall ms/step':>13} "
           f"{'compiles':>8}  finish")
     for k in ("free", "constrained"):
@@ -171,8 +192,8 @@ def main(argv):
     print(f"compile over {c['schemas']} schemas: p50 {c['compile_ms_p50']:.2f} ms, p99 {c['compile_ms_p99']:.2f} ms, "
           f"max {c['compile_ms_max']:.2f} ms; compiling them twice: {c['cache_hits']} hits, "
           f"{c['cache_misses']} misses")
-    print(f"(json: {F.out})")
+    print(f"(json: {args.out})")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

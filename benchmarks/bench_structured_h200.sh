@@ -12,8 +12,8 @@ case "${1:?json_object or schema}" in
   json_object|schema) ;;
   *) echo "unknown workload $1" >&2; exit 2 ;;
 esac
-$PY benchmarks/bench_structured.py --model "$MODEL_DIR" --load_format dummy --max_model_len 1024 \
-  --max_num_seqs 256 --max_num_batched_tokens 2048 --token_buckets 256,1024,2048 --seq_buckets 256 --page_buckets 64 \
-  --num_prompts "${NUM_PROMPTS:-1024}" --output_len 256 --constraint "$1" --compilation_cache_dir /tmp/xla-cache \
+$PY benchmarks/bench_structured.py --model "$MODEL_DIR" --load-format dummy --max-model-len 1024 \
+  --max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256,1024,2048 --seq-buckets 256 --page-buckets 64 \
+  --num-prompts "${NUM_PROMPTS:-1024}" --output-len 256 --constraint "$1" --compilation-cache-dir /tmp/xla-cache \
   --repeats "${REPEATS:-3}" ${PROFILE:+--profile} \
   --out "$OUT/structured-h200-$1.json"

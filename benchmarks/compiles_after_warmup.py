@@ -16,10 +16,10 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
 from jax._src import monitoring
 
 from jaxinfer import LLM, SamplingParams, StructuredOutputs
+from jaxinfer.cli.options import Parser
 
 PROMPT_LENGTHS = (1, 5, 17, 33, 60, 100, 9, 2, 200, 300)
 FAIL_AT_STEP = 9
@@ -85,17 +85,22 @@ def run(model: str) -> dict:
                 failed_step_injected=seen["failed"], finished=seen["finished"], stats=llm.engine.stats())
 
 
-def main(argv):
-    del argv
-    result = run(flags.FLAGS.model)
+def parser() -> Parser:
+    p = Parser("compiles_after_warmup.py", __doc__)
+    p.option(None, "model", required=True, help="A model directory with a tokenizer (random weights are used).")
+    p.option(None, "out", default="compiles_after_warmup.json", help="Where the JSON goes "
+             "[default: compiles_after_warmup.json].")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse(argv)
+    result = run(args.model)
     print(json.dumps({k: v for k, v in result.items() if k != "stats"}, indent=1, default=str))
-    with open(flags.FLAGS.out, "w") as f:
+    with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)
     sys.exit(1 if result["compiled_after_warmup"] else 0)
 
 
 if __name__ == "__main__":
-    # Defined here, not at import, so that tests can import varied_workload beside other benchmarks' flags.
-    flags.DEFINE_string("model", None, "A model directory with a tokenizer (random weights are used).", required=True)
-    flags.DEFINE_string("out", "compiles_after_warmup.json", "Where the JSON goes.")
-    app.run(main)
+    main(sys.argv[1:])

@@ -16,24 +16,30 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from absl import app, flags
+from jaxinfer.cli.options import Parser
 
-flags.DEFINE_integer("rounds", 9, "Timed rounds.")
-flags.DEFINE_integer("threads", 2, "Threads for numpy's two-thread sum and torch (this machine's cores).")
-flags.DEFINE_string("out", "", "JSON results (optional).")
-F = flags.FLAGS
+
+def parser() -> Parser:
+    p = Parser("cpu_bandwidth.py", __doc__)
+    p.option(None, "rounds", type=int, default=9, help="Timed rounds [default: 9].")
+    p.option(None, "threads", type=int, default=2, help="Threads for numpy's two-thread sum and torch (this "
+             "machine's cores) [default: 2].")
+    p.option(None, "out", default="", help="JSON results (optional).")
+    return p
 
 D, Q, KV, FF, V, L = 576, 576, 192, 1536, 49152, 30  # SmolLM2-135M
 NBYTES = 4 * (L * ((Q + 2 * KV) * D + D * Q + 2 * FF * D + D * FF) + V * D)
 
 
-def main(_):
+def main(argv: list[str]) -> None:
+    F = parser().parse(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
     import torch
     torch.set_num_threads(F.threads)
     rng = np.random.default_rng(0)
@@ -93,4 +99,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

@@ -1,32 +1,38 @@
-"""Write a Hugging Face directory with a preset's shapes and SmolLM2's tokenizer, for --load_format dummy.
+"""Write a Hugging Face directory with a preset's shapes and SmolLM2's tokenizer, for --load-format dummy.
 
     python benchmarks/make_dummy_model.py --shapes llama3-8b --out /tmp/llama3-8b-smollm2tok
-    jaxinfer serve --model /tmp/llama3-8b-smollm2tok --load_format dummy ...
+    jaxinfer serve /tmp/llama3-8b-smollm2tok --load-format dummy ...
 
 A serving benchmark needs real text in and out (tokenize, detokenize, stop strings) but no real
 weights; this pairs any preset's shapes (vocabulary cut to the tokenizer's) with SmolLM2's tokenizer
-files. The weights file is an empty placeholder: only --load_format dummy can load the directory.
+files. The weights file is an empty placeholder: only --load-format dummy can load the directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
-from absl import app, flags
-
-flags.DEFINE_string("shapes", "llama3-8b", "Preset whose shapes the model takes.")
-flags.DEFINE_integer("num_layers", None, "Override the preset's layer count (e.g. 2 for a fast CPU model).")
-flags.DEFINE_integer("hidden_size", None, "Override the preset's hidden size (with --num_heads and "
-                     "--intermediate_size).")
-flags.DEFINE_integer("num_heads", None, "Override the preset's attention heads (kv heads follow: min(kv, heads)).")
-flags.DEFINE_integer("intermediate_size", None, "Override the preset's MLP size.")
-flags.DEFINE_string("out", None, "Directory to write.", required=True)
-F = flags.FLAGS
+from jaxinfer.cli.options import Parser
 
 
-def main(argv):
-    del argv
+def parser() -> Parser:
+    p = Parser("make_dummy_model.py", __doc__)
+    p.option(None, "shapes", default="llama3-8b", help="Preset whose shapes the model takes [default: llama3-8b].")
+    p.option(None, "num-layers", type=int, default=None, help="Override the preset's layer count (e.g. 2 for a "
+             "fast CPU model).")
+    p.option(None, "hidden-size", type=int, default=None, help="Override the preset's hidden size (with "
+             "--num-heads and --intermediate-size).")
+    p.option(None, "num-heads", type=int, default=None, help="Override the preset's attention heads (kv heads "
+             "follow: min(kv, heads)).")
+    p.option(None, "intermediate-size", type=int, default=None, help="Override the preset's MLP size.")
+    p.option(None, "out", required=True, help="Directory to write.")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    F = parser().parse(argv)
     from jaxinfer.models.config import PRESETS
     from jaxinfer.models.families import config_to_hf
     from jaxinfer.models.spec import num_params
@@ -52,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

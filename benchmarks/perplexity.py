@@ -4,8 +4,8 @@ token agrees with the first run's, and each scheme's perplexity on each source t
 (scored in the whole text's context): the quality tables of docs/benchmarks.md.
 
     python benchmarks/perplexity.py                                  # the embedded SmolLM2, all schemes
-    python benchmarks/perplexity.py --schemes none,int8 --max_tokens 1024
-    python benchmarks/perplexity.py --schemes none --kv_cache_dtypes auto,int8,fp8 --max_tokens 1024
+    python benchmarks/perplexity.py --schemes none,int8 --max-tokens 1024
+    python benchmarks/perplexity.py --schemes none --kv-cache-dtypes auto,int8,fp8 --max-tokens 1024
 """
 
 from __future__ import annotations
@@ -17,22 +17,36 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from jaxinfer.cli.options import Parser  # noqa: E402
 from jaxinfer.models.perplexity import score  # noqa: E402
 from jaxinfer.models.weights import load_model, resolve_model  # noqa: E402
 from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "held_text.txt")
-flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or Hugging Face directory.")
-flags.DEFINE_list("schemes", ["none", "gguf", "int8", "int4-g32", "int4-g64", "fp8"],
-                  "Quantizations to compare (the first is the reference).")
-flags.DEFINE_list("kv_cache_dtypes", ["auto"], "KV cache dtypes to run each scheme with (auto, int8, fp8).")
-flags.DEFINE_integer("max_tokens", 0, "Tokens of the text to score (0: all of it).")
-flags.DEFINE_string("out", "results/perplexity.json", "Where to write the JSON results.")
-F = flags.FLAGS
+
+
+def comma_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def parser() -> Parser:
+    p = Parser("perplexity.py", __doc__)
+    p.option(None, "model", default="smollm2-135m", help="Preset name, .gguf file or Hugging Face directory "
+             "[default: smollm2-135m].")
+    p.option(None, "schemes", type=comma_list, default=["none", "gguf", "int8", "int4-g32", "int4-g64", "fp8"],
+             metavar="SCHEME,SCHEME", help="Quantizations to compare (the first is the reference) "
+             "[default: none,gguf,int8,int4-g32,int4-g64,fp8].")
+    p.option(None, "kv-cache-dtypes", type=comma_list, default=["auto"], metavar="DTYPE,DTYPE",
+             help="KV cache dtypes to run each scheme with (auto, int8, fp8) [default: auto].")
+    p.option(None, "max-tokens", type=int, default=0, help="Tokens of the text to score (0: all of it) "
+             "[default: 0].")
+    p.option(None, "out", default="results/perplexity.json", help="Where to write the JSON results "
+             "[default: results/perplexity.json].")
+    return p
+
 # The held text's sources, in order, by the words each one opens with.
 PASSAGES = {"Austen": "It is a truth universally", "Dickens": "It was the best of times", "Melville": "Call me Ishmael",
             "Lincoln": "Four score and seven", "Declaration": "When in the Course", "Carroll": "Alice was beginning"}
@@ -46,8 +60,8 @@ def passage_starts(tokenizer, text: str, total: int, n: int) -> dict[str, tuple[
     return {name: (a, min(b, n)) for name, (a, b) in zip(PASSAGES, bounds) if a < n - 1}
 
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> None:
+    F = parser().parse(argv)
     tokenizer = load_tokenizer(resolve_model(F.model))
     with open(TEXT) as f:
         text = f.read()
@@ -94,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])
