@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -121,6 +122,7 @@ def prebuild(*sources: Path) -> None:
 def _compile(cxx: list[str], path: str, source: Path) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     log.info("building the CPU kernel %s (once): %s -> %s", source.name, " ".join(cxx), path)
+    t0 = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
@@ -129,6 +131,7 @@ def _compile(cxx: list[str], path: str, source: Path) -> None:
         if done.returncode:
             raise RuntimeError(f"building the CPU kernel {source.name} failed ({' '.join(cmd)}):\n{done.stderr}")
         os.replace(tmp, path)
+        log.info("built the CPU kernel %s in %.1fs", source.name, time.monotonic() - t0)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
