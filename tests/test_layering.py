@@ -16,7 +16,7 @@ LAYERS = [
     {"jaxinfer", "jaxinfer.llm", "jaxinfer.outputs", "jaxinfer.server", "jaxinfer.cli", "jaxinfer.__main__"},
     {"jaxinfer.batching"},
     {"jaxinfer.models", "jaxinfer.quant", "jaxinfer.paged", "jaxinfer.sampling", "jaxinfer.sampling_params",
-     "jaxinfer.tokenizer"},
+     "jaxinfer.tokenizer", "jaxinfer.gguf_tokenizer"},
     {"jaxinfer.pallas_kernels", "jaxinfer.paged.kv_cache", "jaxinfer.native", "jaxinfer.user_cache",
      "jaxinfer.formats"},
 ]

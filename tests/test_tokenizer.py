@@ -1,5 +1,7 @@
 """Streaming detokenization and chat templates with SmolLM2's real (byte-level BPE) tokenizer."""
 
+import os
+
 import pytest
 
 from jaxinfer.models.weights import resolve_model
@@ -120,3 +122,174 @@ def test_gguf_tokenizer_is_cached_and_behaves_the_same(tmp_path, monkeypatch, sm
             ids = tok.encode(text)
             assert ids == smollm2_tokenizer.encode(text)
             assert tok.decode(ids, skip_special_tokens=True) == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# Text of every kind a byte-level BPE splits differently: scripts, emoji (with joiners), code,
+# whitespace runs at either end, digit runs, contractions, control characters and special tokens
+# written out in the text.
+ORACLE_TEXTS = TEXTS + [
+    "", " ", "  leading and trailing  ", "\n", "\n\n\n", "\t\t x \r\n y\u3000z\u2028", "a" * 40 + " " * 17 + "b",
+    "def f(x: int) -> int:\n    return x ** 2  # square\n\n\tif x != 0: print(f'{x!r}')\n",
+    "for (int i = 0; i < n; ++i) { a[i] = b[i] >> 3; }  /* C */ <div class=\"x\">&amp;</div>",
+    "0 7 42 123 1234 12345678901234567890 3.14159 -2.5e-10 1,000,000 0xDEADBEEF 2026-12-07",
+    "I'm you're he'll we've they'd it's DON'T Can't",
+    "Ελληνικά Русский текст עברית العربية हिन्दी ไทย",
+    "😀🎉👩‍👩‍👧 🇫🇷🇯🇵 👍🏽 🏳️‍🌈 \U0001f9ec",
+    "<|im_start|>user\nhi<|im_end|><|endoftext|> <|im_start|>", "<|im_end|>\n<|im_start|>assistant\n",
+    "\x00\x01\x7f control", "\ufeffBOM and \ufffd replacement",
+]
+ORACLE_CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 😀, what's 2+2?"},
+               {"role": "assistant", "content": "4."}, {"role": "user", "content": "  and\tin code?\n"}]
+
+
+def _transformers_gguf_tokenizer(path):
+    """transformers' own conversion of a GGUF's tokenizer: the oracle."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                         local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def transformers_smollm2_tokenizer():
+    return _transformers_gguf_tokenizer(resolve_model("smollm2-135m").path)
+
+
+def _assert_same_tokenizer(tok, want):
+    """The same class, backend, special tokens, chat template and vocabulary, and the same ids and text
+    for every one of ``ORACLE_TEXTS`` and a rendered chat."""
+    assert type(tok) is type(want)
+    assert tok.backend_tokenizer.to_str() == want.backend_tokenizer.to_str()
+    assert len(tok) == len(want) and tok.get_vocab() == want.get_vocab()
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id", "pad_token_id",
+                 "unk_token_id", "all_special_tokens", "all_special_ids", "add_bos_token", "add_eos_token",
+                 "chat_template", "special_tokens_map", "clean_up_tokenization_spaces"):
+        assert getattr(tok, name) == getattr(want, name), name
+    chat = want.apply_chat_template(ORACLE_CHAT, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(ORACLE_CHAT, tokenize=False, add_generation_prompt=True) == chat
+    for text in ORACLE_TEXTS + [chat]:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == want.encode(text, add_special_tokens=special), (text, special)
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == want.decode(ids, skip_special_tokens=skip)
+    pairs = (ORACLE_TEXTS[:3], ORACLE_TEXTS[3:6])
+    assert tok(*pairs)["input_ids"] == want(*pairs)["input_ids"]
+
+
+def _without_transformers_gguf_conversion(monkeypatch):
+    """transformers' GGUF tokenizer conversion made to fail: what converts must not use it."""
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    for cls in (AutoTokenizer, TokenizersBackend):
+        original = cls.from_pretrained.__func__
+
+        def refuse(klass, *args, _original=original, **kwargs):
+            assert not kwargs.get("gguf_file"), "transformers' GGUF conversion was used"
+            return _original(klass, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(refuse))
+
+
+def test_gguf_tokenizer_is_transformers_conversion_without_transformers_gguf_path(
+        tmp_path, monkeypatch, transformers_smollm2_tokenizer):
+    """From a cold cache, the embedded GGUF's tokenizer is built from its metadata (in a fraction of a
+    second, not transformers' ~11 s conversion) and is token for token transformers' conversion: as
+    built, and as saved in the user cache and loaded back on the next start."""
+    from jaxinfer.tokenizer import EMBEDDED_CHAT_TEMPLATE, _saved_class
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _without_transformers_gguf_conversion(monkeypatch)
+    source = resolve_model("smollm2-135m")
+    want = transformers_smollm2_tokenizer
+    with open(EMBEDDED_CHAT_TEMPLATE, encoding="utf-8") as f:
+        embedded_template = f.read()
+    first = load_tokenizer(source)  # converts and saves
+    (saved,) = tmp_path.glob("jaxinfer/tokenizers/*/tokenizer.json")
+    cached = load_tokenizer(source)
+    assert cached.name_or_path == str(saved.parent)
+    # load_tokenizer gives the embedded model its own chat template; the conversion keeps the GGUF's.
+    assert first.chat_template == cached.chat_template == embedded_template != want.chat_template
+    for tok in (first, cached):
+        tok.chat_template = want.chat_template
+        _assert_same_tokenizer(tok, want)
+    _assert_same_tokenizer(_saved_class(str(saved.parent)).from_pretrained(str(saved.parent)), want)
+
+
+def _gguf_with_tokenizer(path, metadata: dict) -> None:
+    """A GGUF of ``metadata`` and no tensors: what transformers' tokenizer conversion reads."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), metadata["general.architecture"])
+    for key, value in metadata.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            sub = gguf.GGUFValueType.get_type(value[0])
+            if key.endswith("_id") or key == "tokenizer.ggml.token_type":
+                sub = gguf.GGUFValueType.INT32
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=sub)
+        else:
+            vtype = gguf.GGUFValueType.get_type(value)
+            writer.add_key_value(key, value, gguf.GGUFValueType.UINT32 if vtype == gguf.GGUFValueType.INT32 else vtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("variant", ["llama3", "qwen2"])
+def test_byte_level_bpe_variants_match_transformers_conversion(tmp_path, monkeypatch, variant):
+    """SmolLM2's vocabulary changed the ways other byte-level BPE files differ (Llama 3, Qwen2): their
+    pre-tokenizer splits, BOS added, no "<|endoftext|>", a user-defined token, a control token outside
+    the byte alphabet (skipped as a mislabel), a token written in plain text, no unknown or padding
+    token: built the same as transformers converts them."""
+    from jaxinfer.gguf_tokenizer import builds, byte_level_bpe
+    from jaxinfer.models.weights.gguf_file import gguf_file
+
+    md = dict(gguf_file(resolve_model("smollm2-135m").path).metadata)
+    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
+    types[4] = 4  # "<reponame>": user-defined, not control
+    tokens[9], types[9] = "<|中文|>", 3  # a control token llama.cpp wrote in plain text
+    spaced = next(i for i, t in enumerate(tokens) if t.startswith("Ġ") and len(t) > 4)
+    tokens[spaced] = tokens[spaced].replace("Ġ", " ")  # in plain text: respelled in the byte alphabet
+    if variant == "llama3":
+        tokens[0] = "<|end_of_text|>"
+        md.update({"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": True})
+        del md["tokenizer.ggml.unknown_token_id"], md["tokenizer.ggml.padding_token_id"]
+    else:
+        md.update({"tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.add_eos_token": True})
+        del md["tokenizer.ggml.add_bos_token"]
+    md.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+    path = tmp_path / f"{variant}.gguf"
+    _gguf_with_tokenizer(path, md)
+    want = _transformers_gguf_tokenizer(str(path))
+    assert builds(md)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _without_transformers_gguf_conversion(monkeypatch)
+    tok = load_tokenizer(resolve_model(str(path)))
+    _assert_same_tokenizer(tok, want)
+    _assert_same_tokenizer(byte_level_bpe(gguf_file(str(path)).metadata, str(tmp_path)), want)
+    assert len(tok) == len(tokens) + (variant == "llama3")  # transformers' "<|endoftext|>" default, added
+    ids = tok.encode(f"x<reponame>y{tokens[spaced]}", add_special_tokens=False)
+    assert 4 in ids and spaced in ids and "<reponame>" in tok.decode(ids, skip_special_tokens=True)
+    assert "<reponame>" in tok.get_added_vocab() and "<|中文|>" not in tok.get_added_vocab()
+
+
+def test_gguf_tokenizer_errors(tmp_path, monkeypatch):
+    """A special token id past the vocabulary names the file; a tokenizer other than byte-level BPE
+    (SentencePiece, "llama") is left to transformers' conversion."""
+    from jaxinfer.gguf_tokenizer import builds
+    from jaxinfer.models.weights import ModelFileError
+    from jaxinfer.models.weights.gguf_file import gguf_file
+
+    md = dict(gguf_file(resolve_model("smollm2-135m").path).metadata)
+    assert builds(md) and not builds({**md, "tokenizer.ggml.model": "llama"})
+    assert not builds({k: v for k, v in md.items() if k != "tokenizer.ggml.merges"})
+    md["tokenizer.ggml.eos_token_id"] = 49152
+    path = tmp_path / "bad.gguf"
+    _gguf_with_tokenizer(path, md)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(ModelFileError, match=r"bad\.gguf.*tokenizer\.ggml\.eos_token_id is 49152, past the end "
+                                             r"of its 49152-token vocabulary"):
+        load_tokenizer(resolve_model(str(path)))

@@ -143,7 +143,9 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     as gguf's ``GGUFReader``: on the embedded model (its vocabulary and merges, Q4_1, Q8_0 and F32
     tensors) and on a file written with every value type, float and block tensors, and a non-default
     alignment; a file that is not GGUF is a clear error."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    import struct
+
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
     from jaxinfer.models.weights import resolve_model
@@ -161,6 +163,10 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     writer.add_float64("t.f64", 1e-300)
     writer.add_string("t.str", "héllo")
     writer.add_array("t.strs", ["a", "", "ünïcode"])
+    # Decoded in bulk, string by string alike: a character split between two strings, bytes that are
+    # not UTF-8, empty strings first and last.
+    raw = [b"", b"\xc3", b"\xa9", "é😀".encode(), b"\xff", "😀".encode()[:3], b"x\x00y", b""]
+    writer.add_key_value("t.raw", raw, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     writer.add_array("t.ints", [1, -2, 3])
     writer.add_array("t.floats", [0.5, 1.5])
     rng = np.random.default_rng(0)
@@ -171,12 +177,20 @@ def test_gguf_file_reads_what_gguf_reader_reads(tmp_path):
     _write_gguf(writer)
     md = _check_gguf_file_equals_reader(path).metadata
     assert md["t.strs"] == ["a", "", "ünïcode"] and md["t.i64"] == -2 ** 40 and md["t.bool"] is True
+    assert md["t.raw"] == [b.decode("utf-8", errors="replace") for b in raw]
     from jaxinfer.models.weights.gguf_file import gguf_file
     data = path.read_bytes()
     in_array = data.index(b"t.ints") + len("t.ints") + 4 + 12 + 4  # key, its type, element type and count, one int
+    in_strings = data.index("é😀".encode()) + 2  # in the middle of a string of an array
+    raw_header = b"t.raw" + struct.pack("<IIQ", 9, 8, len(raw))  # the key, array of strings, its count
+    assert data.count(raw_header) == 1
     for name, content, error in [("not.gguf", b"GGML" + bytes(60), "not a GGUF file"),
                                  ("header.gguf", data[:200], "truncated or corrupt GGUF header"),
                                  ("array.gguf", data[:in_array], "truncated or corrupt GGUF header"),
+                                 ("strings.gguf", data[:in_strings], r"the value of 't\.raw' \(6 bytes at byte "),
+                                 ("length.gguf", data[:in_strings - 6], r"the value of 't\.raw' \(8 bytes at byte "),
+                                 ("count.gguf", data.replace(raw_header, raw_header[:-8] + struct.pack("<Q", 2 ** 60)),
+                                  r"the value of 't\.raw' \(\d+ bytes at byte \d+\) runs past the end"),
                                  ("data.gguf", data[:-200], "runs past the end of the file")]:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=error):

@@ -2,10 +2,11 @@
 and the ModelConfig its metadata describes (by its family, ``families.config_from_gguf``).
 
 One reader for every part of jaxinfer that opens a .gguf: the config (``gguf_config``), the weight
-loader (``weights.gguf``, whose blocks ``quant.gguf_blocks`` repacks) and the tokenizer (its chat
-template; transformers converts the vocabulary). Parsed here, not by gguf's ``GGUFReader``, which
-makes a numpy view of every part of every field: 2.2 s for SmolLM2 (its 49,152-token vocabulary and
-48,900 merges), over a quarter of the server's restart; this takes a tenth of that. A file cut
+loader (``weights.gguf``, whose blocks ``quant.gguf_blocks`` repacks) and the tokenizer (its
+vocabulary, merges, special tokens and chat template: ``jaxinfer.gguf_tokenizer``). Parsed here,
+not by gguf's ``GGUFReader``, which makes a numpy view of every part of every field: 2.2 s for
+SmolLM2 (its 49,152-token vocabulary and 48,900 merges), over a quarter of the server's restart;
+this takes a few hundredths of a second, its string arrays decoded in bulk. A file cut
 short or corrupt is a ``ModelFileError`` naming the file and what is wrong, checked before any
 byte past the end is read.
 """
@@ -28,6 +29,7 @@ CONFIG_TENSORS = (ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.we
 # GGUF value types (the spec's numbering) -> struct format; 8 is a string, 9 an array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, key/value count
+_LENGTH = struct.Struct("<Q")  # a string's length, before its UTF-8 bytes
 _ELEMENTS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
              "I32": np.int32, "I64": np.int64}
 
@@ -72,11 +74,51 @@ class _Header:
         at = self.take(n)
         return bytes(self.buf[at:at + n]).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """An array of ``count`` strings, each decoded as ``string`` would (a vocabulary of 49,152
+        tokens in a few milliseconds). Only the walk from one length to the next is a Python loop;
+        the bytes are gathered and decoded in one go, and cut at each string's first character."""
+        buf, start, end = self.buf, self.off, len(self.buf)
+        lengths, off, length_at = [], start, _LENGTH.unpack_from  # grown as read: a corrupt count stops at the end
+        for _ in range(count):
+            if off + 8 > end:
+                raise _PastTheEnd(f"{self.what} (8 bytes at byte {off})")
+            (n,) = length_at(buf, off)
+            if n > end - off - 8:
+                raise _PastTheEnd(f"{self.what} ({n} bytes at byte {off + 8})")
+            lengths.append(n)
+            off += 8 + n
+        self.off = off
+        if not count:
+            return []
+        lengths = np.asarray(lengths, np.int64)
+        ends = np.cumsum(lengths)  # in the strings' bytes laid end to end
+        starts = ends - lengths
+        region = self.mm[start:off]
+        keep = np.ones(len(region), bool)  # drop each string's 8-byte length
+        keep[(starts + 8 * np.arange(count))[:, None] + np.arange(8)] = False
+        data = np.asarray(region[keep])
+        try:
+            text = data.tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        leads = (data & 0xC0) != 0x80  # a character's first byte: valid UTF-8 has one per character
+        inner = starts[starts < len(data)]
+        if text is None or not leads[inner].all():
+            # Invalid UTF-8 somewhere, or a character split between two strings: one at a time, as
+            # ``string`` decodes them (U+FFFD for what is not UTF-8).
+            raw = data.tobytes()
+            return [raw[a:b].decode("utf-8", errors="replace") for a, b in zip(starts.tolist(), ends.tolist())]
+        chars = np.concatenate([[0], np.cumsum(leads)])
+        return [text[a:b] for a, b in zip(chars[starts].tolist(), chars[ends].tolist())]
+
     def value(self, vtype: int):
         if vtype == 8:
             return self.string()
         if vtype == 9:
             elem, count = self.unpack("<IQ")
+            if elem == 8:
+                return self.strings(count)
             if elem in _SCALARS:
                 dtype = np.dtype(_SCALARS[elem]).newbyteorder("<")
                 return np.frombuffer(self.mm, dtype, count, self.take(dtype.itemsize * count)).tolist()
