@@ -5,13 +5,15 @@ the server can serve and "schema-valid data is accepted" can be checked.
   (JSON text). ``regex`` is JSON Schema's own and Schemathesis draws it. Its coverage phase draws plain
   strings for formats it does not know: such valid drawn requests are left out (llguidance's grammar
   parser and ``json.loads`` say what is a grammar and a schema's text).
-- A named ``tool_choice`` must name one of ``tools``, and ``auto`` / ``required`` need some: references
-  between fields, which JSON Schema has no word for. Valid drawn requests are made to agree.
+- A named ``tool_choice`` must name one of ``tools``, and ``auto`` / ``required`` need some (on
+  /v1/responses only ``required``: ``auto`` without tools is its default): references between fields,
+  which JSON Schema has no word for. Valid drawn requests are made to agree.
 - A request must fit the server (tests/fuzz_openapi.py's flags): its prompt plus ``max_tokens`` within
   the context (an embedding's every input within it), its prompts x ``n`` within the sequences it holds. Tokens cannot be counted from the
   schema, so valid drawn requests are kept only where a bound says they fit: a prompt's UTF-8 bytes
-  (byte-level BPE: at most one token a byte), a chat's messages and tools as JSON plus the chat
-  template's own tokens (SmolLM2's with tools: 154 for one short message and one tool).
+  (byte-level BPE: at most one token a byte), a chat's messages (a Responses request's ``input`` and
+  ``instructions``) and tools as JSON plus the chat template's own tokens (SmolLM2's with tools: 154 for
+  one short message and one tool).
 - ``logit_bias`` keys must be token ids of the served model's vocabulary and ``min_tokens`` at most
   the tokens asked for (or the room the prompt leaves): the vocabulary and the prompt's tokens are not
   in the schema, so valid drawn requests send neither (null).
@@ -127,21 +129,25 @@ def filter_case(ctx, case):
         if any(isinstance(p, str) and _unreadable(p) for p in prompts):
             return False
     # The coverage phase draws plain strings (boundary lengths) for formats it does not know.
-    generates = case.operation.path in ("/v1/completions", "/v1/chat/completions")  # /tokenize has no room to fit
+    # /tokenize has no room to fit
+    generates = case.operation.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")
     embeds = case.operation.path == "/v1/embeddings"
-    return all(check(value) for value, check in _formatted(body)) and (not generates or _fits(body)) and \
+    flat = case.operation.path == "/v1/responses"
+    return all(check(value) for value, check in _formatted(body)) and (not generates or _fits(body, flat)) and \
         (not embeds or max(_sizes(body.get("input"))) <= MAX_MODEL_LEN)
 
 
-def _fits(body: dict) -> bool:
+def _fits(body: dict, flat: bool) -> bool:
     """Whether the request surely fits the server: prompt tokens (bounded from above) plus the
     tokens asked for within the context, prompts x n within running + waiting."""
     count = lambda v: int(v) if type(v) in (int, float) else None  # noqa: E731  (JSON's integers: 3 or 3.0)
     n = count(body.get("n")) or 1
-    asked = next((count(v) for v in (body.get("max_completion_tokens"), body.get("max_tokens")) if count(v)), 1)
-    if "messages" in body:
-        tools = _mended_tools(body) or None  # filter_case runs before map_case adds them
-        size = len(json.dumps(body["messages"], ensure_ascii=False).encode()) + TEMPLATE_TOKENS[tools is not None]
+    asked = next((count(v) for v in (body.get("max_completion_tokens"), body.get("max_tokens"),
+                                     body.get("max_output_tokens")) if count(v)), 1)
+    if "messages" in body or flat:
+        tools = _mended_tools(body, flat) or None  # filter_case runs before map_case adds them
+        conversation = [body.get("instructions"), body.get("input")] if flat else body["messages"]
+        size = len(json.dumps(conversation, ensure_ascii=False).encode()) + TEMPLATE_TOKENS[tools is not None]
         if tools is not None:
             size += len(json.dumps(tools, ensure_ascii=False).encode())
         prompts = [size]
@@ -157,19 +163,25 @@ def _sizes(prompt) -> list[int]:
             for p in (prompt if many else [prompt])]
 
 
-def _mended_tools(body: dict):
+def _mended_tools(body: dict, flat: bool):
     """``tools`` as ``map_case`` leaves them: one tool named as a named ``tool_choice`` (or ``f``) added
-    where ``tool_choice`` needs tools and none are given; else as drawn."""
+    where ``tool_choice`` needs tools and none are given; else as drawn. ``flat``: a /v1/responses body,
+    whose tools and named tool_choice are ``{type, name}``."""
     choice, tools = body.get("tool_choice"), body.get("tools")
-    if tools or not (_named(choice) or choice in ("auto", "required")):
+    needs = ("required",) if flat else ("auto", "required")
+    if tools or not (_named(choice) or choice in needs):
         return tools
-    name = choice["function"]["name"] if _named(choice) and 1 <= len(choice["function"]["name"]) <= 64 else "f"
-    return [{"type": "function", "function": {"name": name}}]
+    name = _choice_name(choice) if _named(choice) and 1 <= len(_choice_name(choice)) <= 64 else "f"
+    return [{"type": "function", "name": name} if flat else {"type": "function", "function": {"name": name}}]
 
 
 def _named(choice) -> bool:
-    return isinstance(choice, dict) and isinstance(choice.get("function"), dict) and \
-        isinstance(choice["function"].get("name"), str)
+    return isinstance(choice, dict) and isinstance(_choice_name(choice), str)
+
+
+def _choice_name(choice: dict):
+    """The function a named tool_choice names: ``function.name`` (chat) or ``name`` (Responses)."""
+    return choice["function"].get("name") if isinstance(choice.get("function"), dict) else choice.get("name")
 
 
 @schemathesis.hook
@@ -180,11 +192,15 @@ def map_case(ctx, case):
     for field in ("logit_bias", "min_tokens"):
         if body.get(field) is not None:
             body[field] = None
-    if "messages" not in body:
+    flat = case.operation.path == "/v1/responses"
+    if "messages" not in body and not flat:
         return case
-    tools = _mended_tools(body)
+    tools = _mended_tools(body, flat)
     if tools is not body.get("tools"):
         body["tools"] = tools
     if _named(body.get("tool_choice")):  # positive: tools are well formed, and some are given or added
-        body["tool_choice"]["function"]["name"] = tools[0]["function"]["name"]
+        if flat:
+            body["tool_choice"]["name"] = tools[0]["name"]
+        else:
+            body["tool_choice"]["function"]["name"] = tools[0]["function"]["name"]
     return case

@@ -359,6 +359,29 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "guided_json": {"$ref": "#"}}, 400, "guided_json", "admits no output"),
     ("/v1/completions", {"prompt": "hi", "guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {
         "$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, 400, "guided_json", "admits no output"),
+    # /v1/responses: what is not served is named, and the chat path's errors name the Responses fields
+    ("/v1/responses", {"input": ""}, 400, "input", "non-empty"),
+    ("/v1/responses", {"input": []}, 400, "input", "non-empty"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": ""}]}, 400, "input",
+     "some text"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     400, "input", "input_text"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools", "web_search"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id", "stores no"),
+    ("/v1/responses", {"input": "hi", "conversation": "conv_1"}, 400, "conversation", "stores no"),
+    ("/v1/responses", {"input": "hi", "background": True}, 400, "background", "background"),
+    ("/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning", "not supported"),
+    ("/v1/responses", {"input": "hi", "include": ["web_search_call.results"]}, 400, "include", "logprobs"),
+    ("/v1/responses", {"input": "hi", "truncation": "auto"}, 400, "truncation", "disabled"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 600}, 400, "max_output_tokens", "max_output_tokens is 600"),
+    ("/v1/responses", {"input": "hi " * 600}, 400, "input", "512"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "f"}}, 400, "tool_choice", "'f'"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "strict": True,
+                                                          "schema": {"type": "object", "additionalProperties": True}}}},
+     400, "text", "text.format: with strict"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}, "tool_choice": "required",
+                       "tools": [{"type": "function", "name": "f"}]}, 400, "tools", "one output constraint"),
+    ("/v1/responses", {"input": "hi", "model": "gpt-9"}, 404, "model", "gpt-9"),
 ]
 
 
@@ -568,6 +591,139 @@ def test_guided_fields_on_completions(client):
     out = client.completions.create(model=MODEL, prompt="A year:", max_tokens=8,
                                     extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
     assert re.fullmatch(r"(19|20)[0-9]{2}", out.choices[0].text)
+
+
+# ---------------------------------------------------------------------------------- /v1/responses
+
+QUESTION = "What is the capital of France?"  # its greedy replies end within 16 tokens, with or without SYSTEM
+SYSTEM = "Answer in one word."
+
+
+def test_responses_match_chat(client):
+    """A Responses request is the chat completion of the same messages: the same greedy text and token
+    counts (``instructions`` a system message first), streamed in OpenAI's event order, the client's
+    stream helper accumulating the same text; a length cut is ``incomplete``."""
+    chat = client.chat.completions.create(model=MODEL, max_completion_tokens=16, temperature=0, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    out = client.responses.create(model=MODEL, input=QUESTION, instructions=SYSTEM, max_output_tokens=16,
+                                  temperature=0)
+    assert out.object == "response" and out.id.startswith("resp_") and out.model == MODEL
+    assert out.output_text == chat.choices[0].message.content
+    assert [item.type for item in out.output] == ["message"] and out.output[0].role == "assistant"
+    assert out.usage.input_tokens == chat.usage.prompt_tokens and out.usage.output_tokens == chat.usage.completion_tokens
+    assert out.usage.total_tokens == chat.usage.total_tokens and out.usage.output_tokens_details.reasoning_tokens == 0
+    assert chat.choices[0].finish_reason == "stop" and out.status == "completed" and out.incomplete_details is None
+    assert out.instructions == SYSTEM and out.max_output_tokens == 16 and out.tools == [] and out.tool_choice == "auto"
+
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                           max_completion_tokens=16, temperature=0)
+    kw = dict(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+              max_output_tokens=16, temperature=0)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text == plain.choices[0].message.content == "".join(
+        e.delta for e in events if e.type == "response.output_text.delta")
+    types = " ".join(e.type for e in events)
+    assert re.fullmatch(r"response\.created response\.in_progress response\.output_item\.added "
+                        r"response\.content_part\.added( response\.output_text\.delta)+ response\.output_text\.done "
+                        r"response\.content_part\.done response\.output_item\.done response\.completed",
+                        types), types
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    created = [e for e in client.responses.create(stream=True, **kw)]  # the raw events, without the helper
+    assert [e.type for e in created] == [e.type for e in events]
+    assert created[-1].response.output_text == final.output_text
+
+    cut = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0,
+                                  include=["message.output_text.logprobs"], top_logprobs=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and cut.output[0].status == "incomplete"
+    logprobs = cut.output[0].content[0].logprobs
+    assert len(logprobs) == 3 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == cut.output_text
+
+
+def test_responses_structured_output_and_function_calls(client):
+    """``text.format`` constrains the reply as ``response_format`` does; a forced function call is a
+    ``function_call`` item (streamed: its arguments in pieces), and sending it back with its output
+    continues the conversation."""
+    jsonschema = pytest.importorskip("jsonschema")
+    forecast = WEATHER["function"]["parameters"]
+    out = client.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=48, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "forecast", "schema": forecast,
+                                                   "strict": True}})
+    assert out.status == "completed" and out.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(out.output_text), forecast)
+
+    weather = {"type": "function", **WEATHER["function"]}
+    kw = dict(model=MODEL, input=ASK[0]["content"], tools=[weather], max_output_tokens=48, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    out = client.responses.create(**kw)
+    assert out.status == "completed" and [item.type for item in out.output] == ["function_call"]
+    call = out.output[0]
+    assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == final.output[0].arguments == call.arguments
+    assert [e.type for e in events][-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                                            "response.completed"]
+
+    follow = client.responses.create(model=MODEL, tools=[weather], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": ASK[0]["content"]}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}])
+    assert follow.output and follow.usage.input_tokens > out.usage.input_tokens
+
+
+def test_response_events_from_chat_deltas():
+    """The events of a reply with text, then two calls (``tool_choice: "auto"``), from the chat
+    renderer's deltas: each item closed before the next opens, the final object holding what the
+    deltas built; an error is an ``error`` event."""
+    from jaxinfer.server import responses
+
+    req = parse(responses.ResponsesRequest, json.dumps({"input": "hi", "tools": [
+        {"type": "function", "name": "f"}, {"type": "function", "name": "g"}]}).encode())
+    events = responses.ResponseEvents(responses.ResponseShape("resp_1", req, MODEL))
+    chunk = lambda delta, finish=None: {"index": 0, "delta": delta, "logprobs": None,  # noqa: E731
+                                        "finish_reason": finish}
+    sent = events.start()
+    for delta in ({"content": "One"}, {"content": " moment."},
+                  {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                   "function": {"name": "f", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+                  {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                   "function": {"name": "g", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}):
+        sent += events.delta(chunk(delta))
+    sent += events.finish("tool_calls", {"input_tokens": 1})
+    sent.append(events.error(APIError(504, "too slow", code="request_timeout")))
+    parsed = [(e.split("\n")[0].removeprefix("event: "), json.loads(e.split("\n")[1].removeprefix("data: ")))
+              for e in sent]
+    assert all(name == data["type"] for name, data in parsed)
+    assert [data["sequence_number"] for _, data in parsed] == list(range(len(parsed)))
+    assert [(name, data.get("output_index")) for name, data in parsed] == [
+        ("response.created", None), ("response.in_progress", None),
+        ("response.output_item.added", 0), ("response.content_part.added", 0),
+        ("response.output_text.delta", 0), ("response.output_text.delta", 0), ("response.output_text.done", 0),
+        ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.delta", 1), ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2), ("response.output_item.done", 2),
+        ("response.completed", None), ("error", None)]
+    final = parsed[-2][1]["response"]
+    assert final["status"] == "completed" and final["usage"] == {"input_tokens": 1}
+    assert [(o["type"], o["status"]) for o in final["output"]] == [
+        ("message", "completed"), ("function_call", "completed"), ("function_call", "completed")]
+    assert final["output"][0]["content"][0]["text"] == "One moment."
+    assert [(o["call_id"], o["name"], o["arguments"]) for o in final["output"][1:]] == [
+        ("call_a", "f", '{"x": 1}'), ("call_b", "g", "{}")]
+    assert parsed[-1][1] == {"type": "error", "sequence_number": len(parsed) - 1, "code": "request_timeout",
+                             "message": "too slow", "param": None}
 
 
 # ------------------------------------------------------------------------------- routes and docs
@@ -780,6 +936,7 @@ def test_every_openai_and_vllm_request_field_is_served_or_refused():
 
     from openai.types import completion_create_params, embedding_create_params
     from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types.responses import response_create_params
 
     from jaxinfer.server import protocol
 
@@ -789,9 +946,11 @@ def test_every_openai_and_vllm_request_field_is_served_or_refused():
     openai_fields = {
         protocol.CompletionRequest: typing.get_type_hints(completion_create_params.CompletionCreateParamsBase),
         protocol.ChatCompletionRequest: typing.get_type_hints(chat_create_params.CompletionCreateParamsBase),
-        protocol.EmbeddingRequest: typing.get_type_hints(embedding_create_params.EmbeddingCreateParams)}
+        protocol.EmbeddingRequest: typing.get_type_hints(embedding_create_params.EmbeddingCreateParams),
+        protocol.ResponsesRequest: typing.get_type_hints(response_create_params.ResponseCreateParamsBase)}
     vllm = {protocol.CompletionRequest: VLLM_EXTRAS["both"] + VLLM_EXTRAS["completions"],
-            protocol.ChatCompletionRequest: VLLM_EXTRAS["both"] + VLLM_EXTRAS["chat"], protocol.EmbeddingRequest: []}
+            protocol.ChatCompletionRequest: VLLM_EXTRAS["both"] + VLLM_EXTRAS["chat"], protocol.EmbeddingRequest: [],
+            protocol.ResponsesRequest: []}
     for model, fields in openai_fields.items():
         streamed = {"stream"} if model is not protocol.EmbeddingRequest else set()
         missing = (set(fields) | streamed | set(vllm[model])) - declared(model)

@@ -46,7 +46,8 @@ def test_fuzz_every_route(server, mode):
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                              "/metrics", "/version", "/tokenize", "/detokenize", "/v1/embeddings"}
+                                              "/metrics", "/version", "/tokenize", "/detokenize", "/v1/embeddings",
+                                              "/v1/responses"}
     statuses = []
     for op in operations:
         if mode == "negative" and op.method.upper() == "GET":
@@ -57,7 +58,8 @@ def test_fuzz_every_route(server, mode):
         @hypothesis.given(case=op.as_strategy(schemathesis.GenerationMode(mode)))
         def fuzz(case):
             if isinstance(case.body, dict) and mode == "positive":  # clamping could make a negative case valid
-                tokens = "max_tokens" if op.path == "/v1/completions" else "max_completion_tokens"
+                tokens = {"/v1/completions": "max_tokens", "/v1/responses": "max_output_tokens"}.get(
+                    op.path, "max_completion_tokens")
                 value = case.body.get(tokens)  # null or missing: the rest of the context
                 if value is None or type(value) is int and value > MAX_TOKENS:
                     case.body[tokens] = MAX_TOKENS
@@ -73,7 +75,8 @@ def test_fuzz_every_route(server, mode):
     if mode == "negative":  # the checks ran on refusals
         assert {s // 100 for _, s in statuses} == {4}, statuses
     else:  # every schema-valid request was served (positive_data_acceptance), text generated on both routes
-        assert {p for p, s in statuses if s == 200} >= {"/v1/completions", "/v1/chat/completions"}, statuses
+        assert {p for p, s in statuses if s == 200} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses"}, \
+            statuses
 
 
 def test_healthy_and_idle_after_fuzzing(server):

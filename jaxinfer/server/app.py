@@ -37,7 +37,8 @@ from jaxinfer.server.metrics import CONTENT_TYPE
 from jaxinfer.server.protocol import (MAX_TOKEN_ID, APIError, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                       EmbeddingRequest, EmbeddingResponse, ErrorResponse, HealthResponse, ModelList,
-                                      TokenizeRequest, TokenizeResponse, VersionResponse, parse)
+                                      ResponseObject, ResponsesRequest, TokenizeRequest, TokenizeResponse,
+                                      VersionResponse, parse, shown)
 from jaxinfer.server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ MAX_IGNORED_SHOWN = 16  # unknown fields a log line and X-Ignored-Fields name
 
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest}
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest,
+           "/v1/responses": ResponsesRequest}
 _ANY_ERRORS = (421, 500)  # any route: a Host that is not allowed, an internal error
 _METERED_ERRORS = (*_ANY_ERRORS, 503)  # and past the concurrency limit
 _POST_ERRORS = (*_METERED_ERRORS, 400, 401, 404, 408, 413, 415, 504)
@@ -53,6 +55,10 @@ _POST_ERRORS = (*_METERED_ERRORS, 400, 401, 404, 408, 413, 415, 504)
 # of the response model's shape (JSON), an {"error": ...} that ended the stream, or the closing [DONE].
 _STREAMED = {"content": {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}}
+# /v1/responses streams OpenAI's named events: an "event:" line with the type, "data:" its JSON.
+_STREAMED_EVENTS = {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}}
 _STATUS_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
 _UNMETERED = frozenset({"/health", "/metrics"})  # answered even at the concurrency limit: monitoring needs them then
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -177,6 +183,20 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         authorize(request)
         return await serving.chat(await read(ChatCompletionRequest, request), request)
 
+    @app.post("/v1/responses", responses={200: {"model": ResponseObject, **_STREAMED_EVENTS},
+                                          **_errors(*_POST_ERRORS)})
+    async def create_response(request: Request):
+        authorize(request)
+        return await serving.responses(await read(ResponsesRequest, request), request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], include_in_schema=False)
+    @app.api_route("/v1/responses/{response_id}/{action:path}", methods=["GET", "POST"], include_in_schema=False)
+    async def stored_response(request: Request, response_id: str):
+        authorize(request)
+        raise APIError(404, f"response {shown(response_id)} is not stored: this server keeps no responses ('store' "
+                            "is accepted and changes nothing), so none can be retrieved, cancelled or deleted",
+                       param="response_id", code="not_found")
+
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_errors(*_POST_ERRORS)})
     async def tokenize(request: Request):
         authorize(request)
@@ -243,7 +263,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             if engine.scheduling_policy != "priority" and "priority" in properties:  # not 0: refused (check_supported)
                 properties["priority"] = {**properties["priority"], "minimum": 0, "maximum": 0}
             if engine.ready.is_set():
-                for name in ("max_tokens", "max_completion_tokens"):
+                for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if name in properties:
                         properties[name]["anyOf"][0]["maximum"] = engine.max_model_len - 1
                 for name in ("prompt", "tokens", "input"):

@@ -9,7 +9,7 @@ ValueError/TypeError is mapped to a 400 whose ``param`` is the offending field).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -237,6 +237,8 @@ _NO_CHAT_CONSTRAINT = {**_NO_CONSTRAINT,
 
 class CompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra=_at_most_one(_NO_CONSTRAINT))
+    # Refused here only: the chat route's response_format is served (a wrong one there is a type error).
+    REFUSED: ClassVar[dict[str, str]] = {"response_format": "leave it out (/v1/chat/completions serves it)"}
 
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
@@ -305,6 +307,183 @@ class ChatCompletionRequest(_Sampling):
     mm_processor_kwargs: None = None
 
 
+# ------------------------------------------------------------- /v1/responses (OpenAI's Responses API)
+
+
+class InputTextPart(_Strict):
+    """A text part of an input message: ``input_text``, or ``output_text`` as an earlier reply's
+    message carries it when sent back (its ``annotations`` and ``logprobs`` are ignored)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(_Strict):
+    """A message of ``input``; an earlier reply's message item (``id``, ``status``) may be sent back as is."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(_Strict):
+    """A call the model made (an earlier reply's ``function_call`` item, sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class FunctionCallOutputItem(_Strict):
+    """The result of a call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(_Strict):
+    """Responses' function tool: ``function``'s fields at the top level."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormatText(_Strict):
+    type: Literal["text"]
+
+
+class TextFormatJSONObject(_Strict):
+    type: Literal["json_object"]
+
+
+class TextFormatJSONSchema(_Strict):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormatText | TextFormatJSONObject | TextFormatJSONSchema | None = None
+    verbosity: Literal["medium"] | None = None  # the model's own length; other values are not served
+
+
+class NoReasoning(_Strict):
+    """``reasoning`` is accepted only when it asks for nothing: these models do not reason apart."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: None = None
+    summary: None = None
+    generate_summary: None = None
+
+
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: bool = True  # the events carry no padding either way
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Some input item must carry text or be a call (the server checks it; the schema says it).
+_TEXT = {"anyOf": [{"type": "string", "minLength": 1},
+                   {"type": "array", "contains": {"required": ["text"], "properties": {"text": {"minLength": 1}}}}]}
+_SOME_INPUT = {"contains": {"anyOf": [
+    {"required": ["content"], "properties": {"type": {"const": "message"}, "content": _TEXT}},
+    {"required": ["type"], "properties": {"type": {"const": "function_call"}}},
+    {"required": ["type", "output"], "properties": {"type": {"const": "function_call_output"}, "output": _TEXT}}]}}
+_WHY_NOT_STORED = "this server stores no responses, so there is none to continue; send the conversation so far " \
+                  "as input items"
+
+
+class ResponsesRequest(_Request):
+    """OpenAI's ``/v1/responses``, served as a chat completion of the same messages: ``instructions``
+    as a system message first, then ``input`` (a text, or message, ``function_call`` and
+    ``function_call_output`` items); ``text.format`` as ``response_format``; flat function ``tools``.
+    Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused, and
+    ``store`` changes nothing."""
+
+    model_config = ConfigDict(json_schema_extra=_at_most_one({
+        "text": {"anyOf": [_NULL, {"properties": {"format": {"anyOf": [
+            _NULL, {"properties": {"type": {"const": "text"}}}]}}}]},
+        "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}]}}))
+    REFUSED: ClassVar[dict[str, str]] = {
+        "previous_response_id": _WHY_NOT_STORED, "conversation": _WHY_NOT_STORED,
+        "background": "responses are not stored, so none can run in the background",
+        "background_options": "responses are not stored, so none can run in the background",
+        "prompt": "stored prompt templates are not served; send the text as instructions and input",
+        "reasoning": "these models do not reason apart from their reply; leave it out or null",
+        "include": f"only {LOGPROBS_INCLUDE!r} (the output text's logprobs) can be included",
+        "truncation": "only 'disabled': an input longer than the context is a 400, never cut",
+        "context_management": "leave it out", "access_programs": "leave it out", "image": "leave it out"}
+    HINTS: ClassVar[dict[str, str]] = {
+        "input": "a non-empty string, or a non-empty list of input items: messages {role: user, system, developer "
+                 "or assistant, content: a string or [{type: 'input_text', text}]}, {type: 'function_call', call_id, "
+                 "name, arguments} and {type: 'function_call_output', call_id, output}",
+        "tools": "a list of function tools {type: 'function', name, description, parameters, strict} (built-in "
+                 "tools such as web_search or file_search are not served)",
+        "tool_choice": "'none', 'auto', 'required' or {type: 'function', name}",
+        "text": "{format: {type: 'text'}}, {format: {type: 'json_object'}} or {format: {type: 'json_schema', name, "
+                "schema, strict}}",
+    }
+
+    model: str | None = None
+    input: Text | Annotated[list[InputItem], Field(min_length=1, json_schema_extra=_SOME_INPUT)]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_logprobs: Logprobs | None = None
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: NoReasoning | None = None
+    # vLLM's sampling extras, as on the other routes
+    seed: _int(0, MAX_SEED) | None = None
+    top_k: _int(MIN_TOP_K, MAX_TOP_K) | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    priority: _int(-MAX_PRIORITY, MAX_PRIORITY) = 0
+    # OpenAI's bookkeeping fields: they change no output, so they are accepted (and not stored)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: _int(0) | None = None  # calls of built-in tools, of which none are served
+    request_id: str | None = None  # vLLM's; responses carry the server's own id
+    # Not served (refused by name when set; REFUSED says why)
+    previous_response_id: None = None
+    conversation: None = None
+    background: Literal[False] | None = None
+    background_options: None = None
+    prompt: None = None
+    context_management: None = None
+    access_programs: None = None
+    image: None = None
+    moderation: None = None
+
+
 # Plain-words types for fields whose pydantic union errors would list every alternative.
 _FIELD_HINTS = {
     "prompt": "a non-empty string, a non-empty list of token ids (each >= 0), or a non-empty list of either",
@@ -332,14 +511,19 @@ def parse(model: type[BaseModel], body: bytes):
         if err["type"] == "model_type" or not err["loc"]:
             raise APIError(400, "request body must be a JSON object") from None
         param = str(err["loc"][0])
+        refused = getattr(model, "REFUSED", {})
+        if param in refused:
+            raise APIError(400, f"'{param}' is not supported by this server: {refused[param]}", param=param,
+                           code="unsupported") from None
         if param in _UNSUPPORTED:
             raise APIError(400, f"'{param}' is not supported by this server: leave it out", param=param,
                            code="unsupported") from None
         where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-after", "constrained-")))
         if err["type"] == "missing":
             raise APIError(400, f"'{where}' is a required field", param=param, code="missing_field") from None
-        if param in _FIELD_HINTS:
-            message = f"'{param}' must be {_FIELD_HINTS[param]}"
+        hints = {**_FIELD_HINTS, **getattr(model, "HINTS", {})}
+        if param in hints:
+            message = f"'{param}' must be {hints[param]}"
         elif err["type"] in _BOUNDS:
             message = f"{where} must be {_BOUNDS[err['type']].format(**err['ctx'])}, got {shown(err.get('input'))}"
             raise APIError(400, message, param=param, code="invalid_value") from None
@@ -351,7 +535,7 @@ def parse(model: type[BaseModel], body: bytes):
 # Options this server does not support: refused by name rather than ignored (the schema admits only
 # the values that mean "off").
 _UNSUPPORTED = frozenset({
-    "echo", "suffix", "response_format", "prompt_embeds", "prompt_logprobs", "skip_special_tokens",
+    "echo", "suffix", "prompt_embeds", "prompt_logprobs", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids",
     "return_token_ids", "add_special_tokens", "structural_tag", "guided_whitespace_pattern", "cache_salt",
@@ -552,3 +736,95 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class OutputTextLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict]
+    logprobs: list[OutputTextLogprob] | None = None
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text: the model's own, which a reply cut short leaves incomplete
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"] | None
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponsesUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """``/v1/responses`` without ``stream``. With it, server-sent events, each an ``event:`` line naming
+    its ``type`` and a ``data:`` line of JSON with a ``sequence_number``: ``response.created`` and
+    ``response.in_progress`` (this object, ``in_progress``, no output yet); per output item
+    ``response.output_item.added``, then for a message ``response.content_part.added``,
+    ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
+    or for a function call ``response.function_call_arguments.delta``...,
+    ``response.function_call_arguments.done``; then ``response.output_item.done``; last
+    ``response.completed`` or ``response.incomplete`` with the whole object, or an ``error`` event."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["completed", "incomplete", "in_progress"]
+    error: None
+    incomplete_details: IncompleteDetails | None
+    model: str
+    output: list[Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
+    usage: ResponsesUsage | None
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    reasoning: None
+    store: bool
+    temperature: float
+    text: dict
+    tool_choice: str | dict
+    tools: list[dict]
+    top_logprobs: int | None
+    top_p: float
+    truncation: Literal["disabled"]
+    user: str | None

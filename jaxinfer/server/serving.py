@@ -1,4 +1,5 @@
-"""/v1/completions and /v1/chat/completions: requests -> engine sub-requests -> OpenAI response shapes.
+"""/v1/completions, /v1/chat/completions and /v1/responses: requests -> engine sub-requests -> OpenAI
+response shapes (a Responses request is served as a chat completion: ``server.responses``).
 
 Everything that can be wrong with a request is checked before anything is queued, so a bad
 request costs no engine work and a streamed response never starts only to fail on its input.
@@ -27,12 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.sampling_params import SamplingParams, check_logit_bias, choices
-from jaxinfer.server import tool_parsers
+from jaxinfer.server import responses, tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
 from jaxinfer.server.constraints import ToolPlan, request_constraint, tool_plan
 from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                      DetokenizeRequest, EmbeddingRequest, TokenizeRequest, chat_text, check_supported,
-                                      sampling_params, shown)
+                                      DetokenizeRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest,
+                                      chat_text, check_supported, sampling_params, shown)
 from jaxinfer.tokenizer import apply_chat_template
 
 
@@ -77,6 +78,27 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self._check_common(req)
         return await self._serve(req, request, "chatcmpl", req.n, "n", lambda: self.prepare_chat(req))
+
+    async def responses(self, req: ResponsesRequest, request: Request) -> Response:
+        """``/v1/responses``: the chat completion of the same conversation (``responses.chat_request``),
+        answered in the Responses shape; the chat path's errors name the Responses fields."""
+        try:
+            chat = responses.chat_request(req)
+            self._check_common(chat)
+        except APIError as e:
+            raise responses.responses_error(e) from None
+
+        def prepare():
+            try:
+                return self.prepare_chat(chat)
+            except APIError as e:
+                raise responses.responses_error(e) from None
+
+        async def respond(_, job, sub, render, request):
+            shape = responses.ResponseShape(f"resp_{sub.request_ids[0].rsplit('-', 2)[-2]}", req, self.model_name)
+            return await self._respond_responses(req.stream, job, sub, render, shape, request)
+
+        return await self._serve(chat, request, "resp", 1, "n", prepare, respond)
 
     # ------------------------------------------------------------------------------ validation
 
@@ -239,8 +261,9 @@ class OpenAIServing:
     # -------------------------------------------------------------------------------- responses
 
     async def _serve(self, req, request: Request, kind: str, count: int, param: str,
-                     prepare: Callable[[], tuple[_Job, _Renderer]]) -> Response:
-        """Admit ``count`` sub-requests, prepare them off the event loop, queue them and respond."""
+                     prepare: Callable[[], tuple[_Job, _Renderer]], respond=None) -> Response:
+        """Admit ``count`` sub-requests, prepare them off the event loop, queue them and respond
+        (``_respond``, or ``respond`` with the same arguments)."""
         deadline = timeout = None
         if self.request_timeout is not None:
             deadline = time.monotonic() + self.request_timeout
@@ -259,7 +282,7 @@ class OpenAIServing:
         except BaseException:
             self.engine.cancel(count)
             raise
-        return await self._respond(req, job, sub, render, request)
+        return await (respond or self._respond)(req, job, sub, render, request)
 
     async def _respond(self, req, job: _Job, sub: Submission, render, request: Request) -> Response:
         index = {rid: i for i, rid in enumerate(sub.request_ids)}
@@ -269,12 +292,8 @@ class OpenAIServing:
                                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
             return _EventStream(body, release)
         try:
-            finals: dict[int, EngineOutput] = {}
-            async with contextlib.aclosing(_outputs(sub, request)) as outputs:
-                async for out in outputs:
-                    if out.finished:
-                        finals[index[out.request_id]] = out
-            if not sub.done:
+            finals = await _finals(sub, index, request)
+            if finals is None:
                 return Response(status_code=499)  # the client is gone; nobody reads this
         finally:
             release()
@@ -314,6 +333,43 @@ class OpenAIServing:
             yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
 
+    async def _respond_responses(self, stream: bool, job: _Job, sub: Submission, render: _ChatRenderer,
+                                 shape: responses.ResponseShape, request: Request) -> Response:
+        """A Response from the chat renderer's choice, or (``stream``) events from its deltas."""
+        index = {sub.request_ids[0]: 0}
+        release = lambda: self.engine.release(sub)  # noqa: E731
+        if stream:
+            return _EventStream(self._stream_responses(sub, index, job, render, shape, request), release)
+        try:
+            finals = await _finals(sub, index, request)
+            if finals is None:
+                return Response(status_code=499)
+        finally:
+            release()
+        usage = responses.usage(_usage(job, finals.values()), finals[0].num_cached_tokens)
+        return JSONResponse(shape.from_choice(render.choice(0, finals[0]), usage))
+
+    async def _stream_responses(self, sub: Submission, index: dict[str, int], job: _Job, render: _ChatRenderer,
+                                shape: responses.ResponseShape, request: Request) -> AsyncIterator[str]:
+        events = responses.ResponseEvents(shape)
+        for event in events.start():
+            yield event
+        try:
+            async with contextlib.aclosing(_outputs(sub, request)) as outputs:
+                async for out in outputs:
+                    if not (out.delta_text or out.finished or (out.logprobs is not None and out.delta_token_ids)):
+                        continue
+                    choices = render.delta(0, out)
+                    for choice in choices:
+                        for event in events.delta(choice):
+                            yield event
+                    if out.finished:  # the chat's finish_reason: "tool_calls" where calls parsed
+                        usage = responses.usage(_usage(job, [out]), out.num_cached_tokens)
+                        for event in events.finish(choices[-1]["finish_reason"], usage):
+                            yield event
+        except APIError as e:
+            yield events.error(e)
+
 
 class _EventStream(StreamingResponse):
     """An SSE response that releases its submission however it ends: finished, client gone, or cancelled
@@ -348,6 +404,16 @@ async def _outputs(sub: Submission, request: Request) -> AsyncIterator[EngineOut
                 yield out
     finally:
         gone.cancel()
+
+
+async def _finals(sub: Submission, index: dict[str, int], request: Request) -> dict[int, EngineOutput] | None:
+    """Each choice's final output, by choice index; None if the client went away first."""
+    finals: dict[int, EngineOutput] = {}
+    async with contextlib.aclosing(_outputs(sub, request)) as outputs:
+        async for out in outputs:
+            if out.finished:
+                finals[index[out.request_id]] = out
+    return finals if sub.done else None
 
 
 async def _disconnect(request: Request) -> None:
