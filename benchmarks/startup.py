@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from server_launch import SERVE, free_port
+from server_launch import SERVE, free_port, wait_healthy
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -67,7 +67,8 @@ def measure(cache: str, serve_args: list[str], timeout: float, run: str) -> dict
                                               for line in proc.stdout], daemon=True)
     reader.start()
     try:
-        health = _wait_healthy(proc, url, timeout, lines, t0)
+        wait_healthy(proc, url, timeout, lambda: "\n".join(line for _, line in lines[-30:]))
+        health = time.monotonic() - t0
         startup = [entry for entry in lines if entry[0] <= health] + [(health, "(healthy)")]
         startup = [entry for entry in startup if "GET /health" not in entry[1]]  # its own polling
         gaps = [(b[0] - a[0], a[1]) for a, b in zip(startup, startup[1:])]
@@ -89,20 +90,6 @@ def measure(cache: str, serve_args: list[str], timeout: float, run: str) -> dict
     return dict(run=run, health_s=health, longest_silence_s=silence, silence_after=after[-200:], first_chat_s=first,
                 plain_alone_s=alone, plain_beside_json_s=beside_s, json_object_s=json_s,
                 delay_beside_json_s=beside_s - alone, log=[f"{t:7.2f} {line}" for t, line in lines[:400]])
-
-
-def _wait_healthy(proc, url: str, timeout: float, lines, t0: float) -> float:
-    """Seconds from ``t0`` (the launch) to the first 200 of ``/health``, polled every 50 ms."""
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError("jaxinfer serve exited:\n" + "\n".join(line for _, line in lines[-30:]))
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("not healthy in time:\n" + "\n".join(line for _, line in lines[-30:]))
 
 
 def _chat(client: httpx.Client, extra: dict) -> float:

@@ -37,9 +37,7 @@ def parser() -> Parser:
 
 
 def main(argv: list[str]) -> None:
-    p = parser()
-    args = p.parse(argv)
-    model = options.model_of(p, args)
+    args, model = options.parse_command(parser(), argv)
     from jaxinfer.models.weights import check_has_weights, load_model, resolve_model, save_converted
 
     try:

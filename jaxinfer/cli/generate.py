@@ -35,8 +35,7 @@ def parser() -> Parser:
 
 def main(argv: list[str]) -> None:
     p = parser()
-    args = p.parse(argv)
-    model = options.model_of(p, args)
+    args, model = options.parse_command(p, argv)
     if (args.prompt is None) == (args.chat is None):
         p.error("pass exactly one of --prompt or --chat")
     logging.basicConfig(level=logging.WARNING)  # keep compile logs out of the streamed text

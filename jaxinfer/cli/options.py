@@ -200,6 +200,12 @@ def add_model_argument(parser: Parser, default: str | None = "smollm2-135m") -> 
     parser.set_defaults(model_default=default)
 
 
+def parse_command(parser: Parser, argv: list[str]) -> tuple[argparse.Namespace, str]:
+    """``argv`` parsed (``Parser.parse``), and the model it names (``model_of``)."""
+    args = parser.parse(argv)
+    return args, model_of(parser, args)
+
+
 def model_of(parser: Parser, args: argparse.Namespace) -> str:
     """The model the flags name: the positional one or ``--model`` (both only if the same)."""
     if args.model_arg is not None and args.model is not None and args.model_arg != args.model:

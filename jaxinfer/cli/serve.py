@@ -89,8 +89,7 @@ def parser() -> Parser:
 def main(argv: list[str]) -> None:
     """The flags, read once into ``serve``'s arguments; the port is bound before anything loads."""
     p = parser()
-    args = p.parse(argv)
-    model = options.model_of(p, args)
+    args, model = options.parse_command(p, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # its INFO lines (no libtpu, cache resets) are noise here
     logging.info("jaxinfer serve %s: starting", model)
