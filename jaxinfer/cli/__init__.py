@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "generate": ("jaxinfer.cli.generate", "generate text from the command line, streamed"),
     "convert": ("jaxinfer.cli.convert", "convert a model (GGUF, Hugging Face, preset) to an orbax directory"),
     "plan-sharding": ("jaxinfer.cli.plan_sharding", "a sharded model's bytes per device, without its memory"),
+    "build-kernels": ("jaxinfer.cli.build_kernels", "build the native CPU kernels now rather than on first use"),
 }
 
 
