@@ -113,3 +113,24 @@ def test_help_lists_the_options_without_starting_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--max-num-seqs" in out.stdout and "--gpu-memory-utilization" in out.stdout
+
+
+def test_chat_keeps_the_conversation_and_streams_each_reply(tiny_chat_model):
+    """``jaxinfer chat``'s loop: each line a user turn, the reply streamed and kept, ``/reset`` starting
+    over; a reply equals ``LLM.chat`` of the same conversation (greedy)."""
+    import io
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.cli import chat
+
+    llm = LLM(tiny_chat_model, load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=1,
+              max_num_batched_tokens=64,
+              token_buckets=(8, 64), seq_buckets=(1,), page_buckets=(16,))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = io.StringIO()
+    messages = chat.converse(llm, params, "Be brief.", io.StringIO("hi\nhow are you?\n/reset\nbye\n"), out)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"] and messages[1]["content"] == "bye"
+    want = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                    params)[0].outputs[0].text
+    assert out.getvalue().startswith(want + "\n")
+    assert messages[2]["content"] in out.getvalue()

@@ -13,6 +13,7 @@ import sys
 # name: (module, what it does)
 SUBCOMMANDS = {
     "serve": ("jaxinfer.cli.serve", "an OpenAI-compatible HTTP server"),
+    "chat": ("jaxinfer.cli.chat", "chat with a model in the terminal, replies streamed"),
     "generate": ("jaxinfer.cli.generate", "generate text from the command line, streamed"),
     "convert": ("jaxinfer.cli.convert", "convert a model (GGUF, Hugging Face, preset) to an orbax directory"),
     "plan-sharding": ("jaxinfer.cli.plan_sharding", "a sharded model's bytes per device, without its memory"),
