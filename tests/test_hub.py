@@ -117,6 +117,27 @@ def test_a_hub_id_generates_what_its_directory_does(offline, checkpoint):
     assert token_ids(from_hub) == token_ids(from_dir) and len(token_ids(from_hub)) == 6
 
 
+def test_serve_a_hub_id_offline(offline, checkpoint):
+    """``jaxinfer serve org/tiny`` with the network off: served from the cache, as its directory is."""
+    import httpx
+
+    from jaxinfer import LLM, SamplingParams
+    from test_server import Server
+
+    args = ["--max-num-seqs=1", "--max-num-batched-tokens=16", "--max-model-len=64", "--token-buckets=16",
+            "--seq-buckets=1", "--page-buckets=4", "--num-scheduler-steps=1", "--dtype=float32"]
+    server = Server(["org/tiny", *args], env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": offline})
+    try:
+        assert [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]] == ["org/tiny"]
+        body = {"model": "org/tiny", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        served = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    finally:
+        server.stop()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert served == LLM(str(checkpoint), **OPTS).generate("The capital of France is", greedy)[0].outputs[0].text
+
+
 def test_a_checkpoint_without_tokenizer_files(checkpoint, tmp_path):
     """config.json and safetensors alone: refused in one line naming the way out, or with
     skip_tokenizer_init=True loaded without a tokenizer, generating from token ids as the whole
