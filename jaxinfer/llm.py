@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Sequence
@@ -61,10 +62,12 @@ class LLM:
         for sp in params:
             if sp.structured is not None:  # compiled once here, then found in the cache by add_request
                 compile_constraint(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
+        scored = [None if sp.prompt_logprobs is None else self.engine.prompt_logprobs(p, sp.prompt_logprobs)
+                  for p, sp in zip(encoded, params)]
         groups = []  # per prompt: its request id and its engine requests, one per completion
         for p, sp, prio in zip(encoded, params, priorities):
             rid = f"gen-{next(self._ids)}"
-            completions = choices(sp)
+            completions = choices(dataclasses.replace(sp, prompt_logprobs=None))
             groups.append((rid, [(f"{rid}-{j}" if sp.n > 1 else rid, p, one, prio) for j, one in enumerate(completions)]))
         owner = {}  # engine request id -> its prompt's index
         for i, (_, group) in enumerate(groups):
@@ -86,8 +89,8 @@ class LLM:
             for rid in owner:
                 if rid not in done:
                     self.engine.abort(rid)
-        return [RequestOutput.gather(rid, _text(prompt), [done[r] for r, *_ in group])
-                for prompt, (rid, group) in zip(prompts, groups)]
+        return [RequestOutput.gather(rid, _text(prompt), [done[r] for r, *_ in group], lps)
+                for prompt, (rid, group), lps in zip(prompts, groups, scored)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -37,7 +37,9 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestOutput:
     """A prompt and its completions. ``prompt`` is the text given (``None`` for token ids);
-    ``num_cached_tokens``: prompt tokens whose KV the prefix cache supplied (the first completion's)."""
+    ``num_cached_tokens``: prompt tokens whose KV the prefix cache supplied (the first completion's);
+    ``prompt_logprobs`` (where ``SamplingParams.prompt_logprobs`` asked): None for the first prompt
+    token, then per token ``{token id: logprob}`` of the token itself and the most likely ones."""
 
     request_id: str
     prompt: str | None
@@ -45,15 +47,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @staticmethod
-    def gather(request_id: str, prompt: str | None, completions: list[EngineOutput]) -> RequestOutput:
+    def gather(request_id: str, prompt: str | None, completions: list[EngineOutput],
+               prompt_logprobs: list[dict[int, float] | None] | None = None) -> RequestOutput:
         """The output of a prompt whose completions ran as the engine requests ``completions``."""
         outputs = [CompletionOutput(i, c.text, c.token_ids, _cumulative(c), c.logprobs, c.finish_reason, c.error)
                    for i, c in enumerate(completions)]
         first = completions[0]
         return RequestOutput(request_id, prompt, first.prompt_token_ids, outputs,
-                             all(c.finished for c in completions), first.num_cached_tokens)
+                             all(c.finished for c in completions), first.num_cached_tokens, prompt_logprobs)
 
 
 def _cumulative(c: EngineOutput) -> float | None:

@@ -111,7 +111,9 @@ class SamplingParams:
     given, so each is reproducible; ``choices``). ``temperature == 0`` is greedy. ``top_k <= 0`` and
     ``top_p == 1`` disable those filters. ``seed`` makes sampling reproducible regardless of what else
     is in the batch. ``logprobs`` asks for that many top alternatives per generated token (the
-    sampled token's own logprob is always returned when it is set, including ``logprobs=0``).
+    sampled token's own logprob is always returned when it is set, including ``logprobs=0``);
+    ``prompt_logprobs`` as many for each prompt token (``LLM.generate`` computes them in a pass of
+    their own: ``RequestOutput.prompt_logprobs``).
     Penalties and bias are vLLM's: ``presence_penalty`` and ``frequency_penalty`` over the generated
     tokens, ``repetition_penalty`` over the prompt's and the generated tokens (a seen token's positive
     logit divided by it, a negative one multiplied), ``logit_bias`` ``{token id: bias}`` added to the
@@ -132,6 +134,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -160,6 +163,8 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for s in self.stop:

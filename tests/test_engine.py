@@ -213,3 +213,22 @@ def test_n_completions_and_vllm_prompt_shapes(llm):
     assert llm.generate([p], GREEDY)[0].outputs[0].cumulative_logprob is None
     with pytest.raises(ValueError, match="exactly one of 'prompt'"):
         llm.generate([{"text": "x"}], GREEDY)
+
+
+def test_prompt_logprobs_match_the_model(llm):
+    """vLLM's prompt logprobs: None for the first token, then each token's own log-probability given
+    those before it and the top k, equal to the plain forward's log-softmax; generation unchanged."""
+    p = prompts(8, (21,))[0]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    out = llm.generate([p], sp)[0]
+    lp = np.asarray(jax.nn.log_softmax(full_logits(llm, p), axis=-1))
+    assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+    for i, entry in enumerate(out.prompt_logprobs[1:]):
+        top = set(np.argsort(-lp[i])[:3].tolist())
+        assert set(entry) == top | {p[i + 1]}
+        for t, v in entry.items():
+            assert abs(v - float(lp[i, t])) < 1e-4
+    assert out.outputs[0].token_ids == llm.generate([p], GREEDY)[0].outputs[0].token_ids[:4]
+    assert llm.generate([p], GREEDY)[0].prompt_logprobs is None
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.engine.add_request("x", p, sp)

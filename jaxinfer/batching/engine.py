@@ -112,6 +112,9 @@ class LLMEngine:
         if params.structured is not None and self._multihost:
             raise ValueError("structured outputs are not supported over several processes")
         check_logit_bias(params, self.model_config.vocab_size)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are computed apart from generation: LLM.generate does, with "
+                             "LLMEngine.prompt_logprobs")
         ids = self.encode(prompt)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
         req = Request(request_id, ids, params, seed, priority=priority, arrival_index=self._arrivals)
@@ -153,6 +156,26 @@ class LLMEngine:
         for batch in passes:
             tokens = Buckets.pick(token_buckets, sum(len(p) for p in batch))
             out += list(self.runner.embed(batch, tokens, Buckets.pick(seq_buckets, len(batch)), pooling, normalize))
+        return out
+
+    def prompt_logprobs(self, prompt: Seq[int], k: int) -> list[dict[int, float] | None]:
+        """vLLM's prompt logprobs of a token-id prompt: None for its first token, then per token a dict of
+        its own log-probability given the tokens before it and the ``k`` most likely tokens' (under the
+        model's raw distribution). One pass over the prompt (``models.pooling.token_logprobs``), run at
+        once on the caller's thread as ``embed`` is; its token count padded to a power of two."""
+        if self._multihost:
+            raise ValueError("prompt_logprobs are not supported over several processes")
+        if not 0 <= k <= self.resolved.max_logprobs:
+            raise ValueError(f"prompt_logprobs must be in [0, {self.resolved.max_logprobs}] (the engine's "
+                             f"max_logprobs), got {k}")
+        ids = encode_prompt(list(prompt), None, self.model_config.vocab_size, self.max_model_len, generate=False)
+        tokens = Buckets.pick(geometric(16, self.max_model_len, 2), len(ids))
+        target, top = self.runner.prompt_logprobs(ids, tokens, k)
+        out: list[dict[int, float] | None] = [None]
+        for i, token in enumerate(ids[1:]):
+            entry = {} if top is None else {int(t): float(v) for t, v in zip(top[1][i], top[0][i])}
+            entry[token] = float(target[i])
+            out.append(entry)
         return out
 
     def abort(self, request_id: str) -> bool:

@@ -275,16 +275,35 @@ class ModelRunner:
         (``models.pooling``) of ``num_tokens`` tokens and ``num_seqs`` sequences (buckets), over a
         scratch KV cache laid out as the engine's (dtype, sharding) and dropped after it. Reads only
         the weights, so it may run while a step is in flight; blocks until its vectors are read."""
+        cache, page_size = self._scratch_cache(num_tokens, num_seqs)
+        tokens, positions, md, segments = pooling_pass.pack(prompts, num_tokens, num_seqs, page_size, pooling)
+        out, _ = pooling_pass.pooled(self.weights, cache, tokens, positions, md, segments, config=self.config,
+                                     ops=self._ops, pooling=pooling, normalize=normalize)
+        return np.asarray(out)[:len(prompts)]
+
+    def prompt_logprobs(self, prompt: list[int], num_tokens: int, k: int):
+        """The prompt's tokens' logprobs from one pass of ``num_tokens`` (a bucket) over a scratch cache
+        (``models.pooling.token_logprobs``): ``(next token's logprob [n - 1], top k logprobs and ids
+        [n - 1, k] or None)``, position i scoring ``prompt[i + 1]``."""
+        cache, page_size = self._scratch_cache(num_tokens, 1)
+        tokens, positions, md, _ = pooling_pass.pack([prompt], num_tokens, 1, page_size, "mean")
+        targets = np.zeros(num_tokens, np.int32)
+        targets[:len(prompt) - 1] = prompt[1:]
+        target, top, _ = pooling_pass.token_logprobs(self.weights, cache, tokens, positions, md, targets,
+                                                     config=self.config, ops=self._ops, k=k)
+        n = len(prompt) - 1
+        return np.asarray(target)[:n], None if top is None else (np.asarray(top[0])[:n], np.asarray(top[1])[:n])
+
+    def _scratch_cache(self, num_tokens: int, num_seqs: int):
+        """A zeroed KV cache laid out as the engine's (dtype, sharding) with the pages one pass of
+        ``num_tokens`` tokens in ``num_seqs`` prompts needs, and its page size."""
         treedef = jax.tree.structure(self.cache)
         layouts = jax.tree.leaves(self._cache_layout, is_leaf=lambda x: isinstance(x, tuple))
         page_size = layouts[0][0][2]
         pages = pooling_pass.scratch_pages(num_tokens, num_seqs, page_size)
         cache = jax.tree.unflatten(treedef, [jnp.zeros((shape[0], pages, *shape[2:]), dtype, device=sharding)
                                              for shape, dtype, sharding in layouts])
-        tokens, positions, md, segments = pooling_pass.pack(prompts, num_tokens, num_seqs, page_size, pooling)
-        out, _ = pooling_pass.pooled(self.weights, cache, tokens, positions, md, segments, config=self.config,
-                                     ops=self._ops, pooling=pooling, normalize=normalize)
-        return np.asarray(out)[:len(prompts)]
+        return cache, page_size
 
     @staticmethod
     def fetch(result: SampleResult | VerifyResult, want_logprobs: bool) -> ModelRunnerOutput:

@@ -9,6 +9,9 @@ scheduler are not involved (an embedding never waits for pages or preempts a req
 step's compiled shapes are untouched. The model is the one ``decoder.forward``, with ``hidden=True``:
 the final norm's output in place of the logits.
 
+The same pass gives prompt logprobs (``token_logprobs``: vLLM's ``prompt_logprobs``): the logits of
+every prompt token, each position's log-probability of the token that follows it and its top ``k``.
+
 ``pooling``: "last" takes the last prompt token's state (what causal embedding models such as
 e5-mistral and gte-Qwen2 are trained for), "mean" the mean over the prompt's tokens. ``normalize``
 then divides each vector by its L2 norm (vLLM's ``embed`` task's default; ``F.normalize``'s epsilon).
@@ -76,6 +79,21 @@ def pack(prompts: list[list[int]], num_tokens: int, num_seqs: int, page_size: in
         rows[:n] = ends - 1
     md = BatchMetadata(slots, page_table, seq_lens, query_start, rows)
     return tokens, positions, md, segments
+
+
+@functools.partial(jax.jit, static_argnames=("config", "ops", "k"), donate_argnames=("cache",))
+def token_logprobs(weights: Weights, cache: KVCache, tokens, positions, md: BatchMetadata, targets, *,
+                   config: ModelConfig, ops: Ops, k: int):
+    """One pass (``pack``'s inputs with every token's logits, pooling "mean"): per token, the
+    log-probability of ``targets`` (the prompt's next token) ``[T]``, and the top ``k`` ``([T, k]``
+    log-probabilities, ids; None for ``k == 0``), float32 under the model's own distribution; and
+    the scratch cache (donated, dropped by the caller)."""
+    log.info("compiling prompt logprobs pass: tokens=%d top=%d", tokens.shape[0], k)
+    logits, cache = forward(weights, tokens, positions, cache, md, config, ops)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    top = jax.lax.top_k(lp, k) if k else None
+    return target, top, cache
 
 
 @functools.partial(jax.jit, static_argnames=("config", "ops", "pooling", "normalize"), donate_argnames=("cache",))
