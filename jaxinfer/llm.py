@@ -16,7 +16,7 @@ from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.batching.structured import compile_constraint
 from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list, choices
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list, check_logit_bias, choices
 from jaxinfer.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
@@ -60,6 +60,7 @@ class LLM:
         encoded = [self.engine.encode(p) for p in prompts]  # validate all before queueing any
         mc = self.engine.model_config
         for sp in params:
+            check_logit_bias(sp, mc.vocab_size)
             if sp.structured is not None:  # compiled once here, then found in the cache by add_request
                 compile_constraint(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
         scored = [None if sp.prompt_logprobs is None else self.engine.prompt_logprobs(p, sp.prompt_logprobs)
@@ -68,16 +69,17 @@ class LLM:
         for p, sp, prio in zip(encoded, params, priorities):
             rid = f"gen-{next(self._ids)}"
             completions = choices(dataclasses.replace(sp, prompt_logprobs=None))
-            groups.append((rid, [(f"{rid}-{j}" if sp.n > 1 else rid, p, one, prio) for j, one in enumerate(completions)]))
-        owner = {}  # engine request id -> its prompt's index
-        for i, (_, group) in enumerate(groups):
-            for rid, p, sp, prio in group:
-                self.engine.add_request(rid, p, sp, prio)
-                owner[rid] = i
+            groups.append((rid, [(f"{rid}-{j}" if sp.n > 1 else rid, p, one, prio)
+                                 for j, one in enumerate(completions)]))
+        owner = {}  # engine request id -> its prompt's index, as queued
         left = [len(group) for _, group in groups]  # completions still running, per prompt
         done: dict[str, EngineOutput] = {}
         bar = tqdm(total=len(groups), desc="generating", disable=not use_tqdm or len(groups) == 1)
-        try:
+        try:  # whatever ends this early (a refused request, an interrupt) aborts what was queued
+            for i, (_, group) in enumerate(groups):
+                for rid, p, sp, prio in group:
+                    self.engine.add_request(rid, p, sp, prio)
+                    owner[rid] = i
             while len(done) < len(owner):
                 for out in self.engine.step():
                     if out.finished:

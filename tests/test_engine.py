@@ -232,3 +232,24 @@ def test_prompt_logprobs_match_the_model(llm):
     assert llm.generate([p], GREEDY)[0].prompt_logprobs is None
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.engine.add_request("x", p, sp)
+
+
+def test_a_refused_request_leaves_nothing_queued(llm, monkeypatch):
+    """A request the engine refuses while ``generate`` queues its list (here the second) takes the
+    ones queued before it back out: nothing is left running, and the next call is served alone."""
+    ps = prompts(9, (6, 7))
+    want = llm.generate([ps[0]], GREEDY)[0].outputs[0].token_ids
+    add, calls = llm.engine.add_request, []
+
+    def refuse_second(*args):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise ValueError("refused")
+        return add(*args)
+
+    monkeypatch.setattr(llm.engine, "add_request", refuse_second)
+    with pytest.raises(ValueError, match="refused"):
+        llm.generate(ps, GREEDY)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([ps[0]], GREEDY)[0].outputs[0].token_ids == want
