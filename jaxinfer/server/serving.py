@@ -153,8 +153,7 @@ class OpenAIServing:
                 prompts = await asyncio.get_running_loop().run_in_executor(self._prepare, self._embedding_inputs, req)
                 vectors = await self.engine.embed(prompts, self.pooling, True)
         except TimeoutError:
-            raise APIError(504, f"the request did not finish within the server's request timeout of "
-                                f"{self.request_timeout:g}s", type="server_error", code="request_timeout") from None
+            raise self._timeout_error() from None
         finally:
             self.engine.cancel(1)
         as_base64 = req.encoding_format == "base64"
@@ -204,6 +203,10 @@ class OpenAIServing:
         limits unknown) a 503, as for generation."""
         self._check_model(req)
         self.engine.check_serving()
+
+    def _timeout_error(self) -> APIError:
+        return APIError(504, f"the request did not finish within the server's request timeout of "
+                             f"{self.request_timeout:g}s", type="server_error", code="request_timeout")
 
     def _check_model(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
@@ -267,8 +270,7 @@ class OpenAIServing:
         deadline = timeout = None
         if self.request_timeout is not None:
             deadline = time.monotonic() + self.request_timeout
-            timeout = APIError(504, f"the request did not finish within the server's request timeout of "
-                                    f"{self.request_timeout:g}s", type="server_error", code="request_timeout")
+            timeout = self._timeout_error()
         self.engine.admit(count, param)
         try:
             work = asyncio.get_running_loop().run_in_executor(self._prepare, prepare)
