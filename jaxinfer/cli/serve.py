@@ -141,8 +141,8 @@ def serve(sock: socket.socket, model: str, config, *, distributed, max_waiting: 
     import jax
     import uvicorn
 
-    from jaxinfer.server import AsyncEngine, create_app
-    from jaxinfer.server.app import header_timeout_protocol
+    from jaxinfer.server.app import create_app, header_timeout_protocol
+    from jaxinfer.server.async_engine import AsyncEngine
 
     # This process only serves HTTP; should anything here touch JAX, it must not claim accelerator
     # memory that the engine core (a spawned process with its own JAX) needs. Config, not the
