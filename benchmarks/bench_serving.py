@@ -8,22 +8,21 @@ optionally the offline engine on the same requests in the same run, so the serve
         --max-concurrency 16 --max-num-seqs 16 --input-len 32 --output-len 32 --out bench.json
 
 Reports throughput, TTFT, TPOT (per request: (latency - TTFT) / (tokens - 1)), inter-token latency
-(gaps between streamed chunks) and e2e percentiles, and the number of failed streams. Outputs are
-fixed-length (ignore_eos) and greedy by default so runs are comparable. The engine options are the
-server's own flags, with its defaults (jaxinfer/cli/options.py; --help lists them): with --launch the
-server gets them all (``options.command_line``), and --offline builds the very same EngineConfig.
+(gaps between streamed chunks) and end-to-end latency (E2EL) percentiles, and the number of failed
+streams; the load generator and its figures (keyed as vLLM's) are ``jaxinfer bench serve``'s
+(jaxinfer/bench/). Outputs are fixed-length (ignore_eos) and greedy by default so runs are
+comparable. The engine options are the server's own flags, with its defaults (jaxinfer/cli/options.py;
+--help lists them): with --launch the server gets them all (``options.command_line``), and --offline
+builds the very same EngineConfig.
 Requests are sent from --client-processes processes so that the client is not the bottleneck.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -31,9 +30,11 @@ import sys
 import tempfile
 import time
 
-import httpx
 import numpy as np
 
+from jaxinfer.bench import client
+from jaxinfer.bench.metrics import distributions, serving_summary
+from jaxinfer.bench.prompts import random_prompts
 from jaxinfer.cli import options
 from jaxinfer.cli.options import Parser
 from jaxinfer.cli.serve import ENGINE_DEFAULTS
@@ -59,7 +60,7 @@ def parser() -> Parser:
     p.option(g, "input-len", type=int, default=None, help="Random prompts of exactly this many token ids (vLLM's "
              "random dataset); default: short text prompts (about 10 tokens).")
     p.option(g, "random-vocab", type=int, default=10000, help="--input-len: token ids are drawn from "
-             "[10, random_vocab) [default: 10000].")
+             "[10, random_vocab - 10) [default: 10000].")
     p.option(g, "output-len", type=int, default=None, help="Tokens to generate per request (alias of --max-tokens).")
     p.option(g, "max-tokens", type=int, default=64, help="Tokens to generate per request [default: 64].")
     p.option(g, "request-rate", type=float, default=float("inf"), help="Mean arrivals per second (Poisson); inf "
@@ -84,6 +85,7 @@ def parser() -> Parser:
 
 
 F = argparse.Namespace()  # the parsed flags (main sets them)
+PERCENTILES = (50, 90, 99)  # reported beside the mean and median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SUBJECTS = ["the sea", "a lighthouse keeper", "black holes", "sourdough bread", "the Roman empire", "a lost robot",
@@ -92,81 +94,10 @@ _FORMS = ["Write a short story about {}.", "Explain {} to a child.", "List five 
           "Write a poem about {}.", "Describe {} in detail."]
 
 
-@dataclasses.dataclass
-class Result:
-    ok: bool
-    latency: float = 0.0
-    ttft: float | None = None
-    itl: list[float] = dataclasses.field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """What each client process needs (the flags are parsed in this process only)."""
-
-    base_url: str
-    model: str
-    endpoint: str
-    max_tokens: int
-    temperature: float
-    ignore_eos: bool
-    request_rate: float
-    max_concurrency: int
-    api_key: str | None
-    seed: int
-    constraint: dict | None = None  # --response-format: fields added to every request body
-
-
 def make_prompts(n: int, rng: np.random.Generator) -> list:
     if F.input_len:
-        return [rng.integers(10, F.random_vocab, F.input_len).tolist() for _ in range(n)]
+        return random_prompts(rng, [F.input_len] * n, F.random_vocab)
     return [_FORMS[rng.integers(len(_FORMS))].format(_SUBJECTS[rng.integers(len(_SUBJECTS))]) for _ in range(n)]
-
-
-async def one_request(http: httpx.AsyncClient, load: Load, prompt) -> Result:
-    body = dict(model=load.model, max_tokens=load.max_tokens, temperature=load.temperature,
-                ignore_eos=load.ignore_eos, stream=True, stream_options={"include_usage": True})
-    if load.endpoint == "chat":
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
-    else:
-        path, body["prompt"] = "/v1/completions", prompt
-    body.update(load.constraint or {})
-    t0 = time.perf_counter()
-    res, last = Result(ok=False), None
-    try:
-        async with http.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    res.error = event["error"]["message"]
-                    return res
-                if event.get("usage"):
-                    res.output_tokens = event["usage"]["completion_tokens"]
-                    res.prompt_tokens = event["usage"]["prompt_tokens"]
-                if not any(_content(c) for c in event["choices"]):
-                    continue
-                now = time.perf_counter()
-                if res.ttft is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    res.latency = time.perf_counter() - t0
-    res.ok = bool(res.output_tokens)  # a stream that ended without its usage chunk did not complete
-    if not res.ok:
-        res.error = "the stream ended without a usage chunk"
-    return res
 
 
 def constraint_schema() -> dict | None:
@@ -186,79 +117,6 @@ def request_constraint(endpoint: str) -> dict | None:
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
                 if schema else {"type": "json_object"}}
     return {"structured_outputs": {"json": schema} if schema else {"json_object": True}}
-
-
-def _content(choice: dict) -> str:
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-
-
-async def _client(load: Load, prompts: list) -> tuple[list[Result], float, float]:
-    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
-    limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=load.max_concurrency)
-    rng = np.random.default_rng(load.seed)
-    async with httpx.AsyncClient(base_url=load.base_url, headers=headers, timeout=None, limits=limits) as http:
-        gate = asyncio.Semaphore(load.max_concurrency)
-
-        async def gated(prompt):
-            async with gate:
-                return await one_request(http, load, prompt)
-
-        t0 = time.time()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(gated(prompt)))
-            if load.request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / load.request_rate))
-        results = await asyncio.gather(*tasks)
-        return results, t0, time.time()
-
-
-def client_process(load: Load, prompts: list) -> tuple[list[Result], float, float]:
-    return asyncio.run(_client(load, prompts))
-
-
-def run_clients(load: Load, prompts: list) -> tuple[list[Result], float]:
-    """Split the prompts (round-robin), the concurrency and the rate over --client-processes processes."""
-    k = max(1, min(F.client_processes, len(prompts)))
-    if k == 1:
-        results, t0, t1 = client_process(load, prompts)
-        return results, t1 - t0
-    shares = [dataclasses.replace(load, max_concurrency=max(1, load.max_concurrency // k),
-                                  request_rate=load.request_rate / k, seed=load.seed + i) for i in range(k)]
-    with concurrent.futures.ProcessPoolExecutor(k, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = list(pool.map(client_process, shares, [prompts[i::k] for i in range(k)]))
-    results = [None] * len(prompts)
-    for i, (res, _, _) in enumerate(parts):
-        results[i::k] = res
-    return results, max(p[2] for p in parts) - min(p[1] for p in parts)
-
-
-def summarize(results: list[Result], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    summary = dict(
-        completed=len(ok), failed=len(results) - len(ok), duration_s=duration,
-        request_throughput=len(ok) / duration, output_token_throughput=out_tokens / duration,
-        total_token_throughput=(out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-        errors=sorted({r.error for r in results if not r.ok})[:5])
-    samples = {
-        "ttft": [r.ttft for r in ok if r.ttft is not None],
-        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
-                 if r.ttft is not None and r.output_tokens > 1],
-        "itl": [x for r in ok for x in r.itl],
-        "e2e": [r.latency for r in ok]}
-    summary.update(percentiles(samples))
-    return summary
-
-
-def percentiles(samples: dict[str, list[float]]) -> dict:
-    out = {}
-    for name, xs in samples.items():
-        if xs:
-            out[f"mean_{name}_ms"] = float(np.mean(xs) * 1e3)
-            for q in (50, 90, 99):
-                out[f"p{q}_{name}_ms"] = float(np.percentile(xs, q) * 1e3)
-    return out
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -343,9 +201,9 @@ def run_offline(model: str, config, prompts: list, concurrency: int) -> dict:
                     tpot.append((now - times[1]) / (n - 1))
     duration = time.perf_counter() - t0
     d = jax.devices()[0]
-    return dict(duration_s=duration, output_token_throughput=out_tokens / duration, warmup_s=warmup, startup_s=startup,
+    return dict(duration=duration, output_throughput=out_tokens / duration, warmup_s=warmup, startup_s=startup,
                 device=f"{d.device_kind} ({jax.default_backend()}, jax {jax.__version__})",
-                **percentiles({"ttft": ttft, "tpot": tpot, "e2e": e2e}))
+                **distributions({"ttft": ttft, "tpot": tpot, "e2el": e2e}, PERCENTILES))
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -354,7 +212,7 @@ def run_offline(model: str, config, prompts: list, concurrency: int) -> dict:
 def _print_row(name: str, s: dict) -> None:
     lat = "  ".join(f"{k.upper()} p50/p99 {s.get(f'p50_{k}_ms', float('nan')):7.1f}/"
                     f"{s.get(f'p99_{k}_ms', float('nan')):7.1f} ms" for k in ("ttft", "tpot", "itl"))
-    print(f"{name:<8} {s['output_token_throughput']:10.1f} out tok/s  failed {s.get('failed', 0):4d}  {lat}")
+    print(f"{name:<8} {s['output_throughput']:10.1f} out tok/s  failed {s.get('failed', 0):4d}  {lat}")
 
 
 def main(argv: list[str]) -> None:
@@ -375,31 +233,31 @@ def main(argv: list[str]) -> None:
     server = LaunchedServer(model, config, max_waiting=len(prompts)) if F.launch else None
     try:
         base_url = server.url if server else F.base_url
-        served = httpx.get(f"{base_url}/v1/models", timeout=30,
-                           headers={"Authorization": f"Bearer {F.api_key}"} if F.api_key else {}).json()["data"][0]["id"]
-        load = Load(base_url, served, F.endpoint, F.max_tokens, F.temperature, F.ignore_eos, F.request_rate,
-                    concurrency, F.api_key, F.load_seed, request_constraint(F.endpoint))
-        results, duration = run_clients(load, prompts)
+        load = client.Load(base_url, client.served_model(base_url, F.api_key),
+                           client.CHAT if F.endpoint == "chat" else client.COMPLETIONS, F.max_tokens, F.ignore_eos,
+                           F.request_rate, concurrency, F.load_seed, api_key=F.api_key, temperature=F.temperature,
+                           extra_body=request_constraint(F.endpoint))
+        results, duration = client.run_load(load, prompts, F.client_processes)
     finally:
         if server:
             server.stop()
-    summary = summarize(results, duration)
+    summary = serving_summary(results, duration, percentiles=PERCENTILES)
     summary["config"] = dict({k: getattr(F, k) for k in ("endpoint", "num_prompts", "input_len", "max_tokens",
                                                          "request_rate", "max_concurrency", "client_processes",
                                                          "ignore_eos", "temperature", "response_format")},
                              model=model, **dataclasses.asdict(config))
     summary["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
-    summary["server_output_tok_s"] = summary["output_token_throughput"]
+    summary["server_output_tok_s"] = summary["output_throughput"]
     if server:
         summary["server_startup_s"] = server.startup_s
     print(f"completed {summary['completed']}/{len(results)} in {duration:.1f}s: "
-          f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tok/s")
+          f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s")
     _print_row("server", summary)
     if F.offline:
         offline = run_offline(model, config, prompts, concurrency)
         summary["offline"] = offline
-        summary["offline_output_tok_s"] = offline["output_token_throughput"]
-        summary["ratio"] = summary["server_output_tok_s"] / offline["output_token_throughput"]
+        summary["offline_output_tok_s"] = offline["output_throughput"]
+        summary["ratio"] = summary["server_output_tok_s"] / offline["output_throughput"]
         summary["device"] = offline["device"]
         _print_row("offline", offline)
         print(f"server / offline output tok/s: {summary['ratio']:.3f}")

@@ -55,6 +55,7 @@ import numpy as np
 
 from engine_probes import probe_step, steps_done  # a benchmark's folder is on sys.path when it runs
 from jaxinfer.batching.config import EngineConfig
+from jaxinfer.bench.prompts import random_prompts
 from jaxinfer.cli import options
 from jaxinfer.cli.options import Parser
 from jaxinfer.formats import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -130,10 +131,6 @@ def make_llm(**engine_options):
     return LLM(F.model, **{**dataclasses.asdict(CONFIG), **engine_options})
 
 
-def random_prompts(rng, n, lengths, vocab):
-    return [rng.integers(10, vocab - 10, int(L)).tolist() for L in lengths]
-
-
 def run_requests(llm, prompts, max_tokens, warm=True):
     """Submit everything at once; returns wall time and per-request TTFT / TPOT."""
     from jaxinfer import SamplingParams
@@ -172,7 +169,7 @@ def offline(results):
     llm = make_llm(max_num_seqs=b, max_num_batched_tokens=512, max_model_len=512,
                    token_buckets=tuple(sorted({b, 32, 64, 128, 256, 512})), seq_buckets=(b,), page_buckets=(16, 32))
     llm.warmup(greedy_only=True)  # neither mode pays compilation inside its timing
-    prompts = random_prompts(rng, n, prompt_lens, llm.engine.model_config.vocab_size)
+    prompts = random_prompts(rng, prompt_lens, llm.engine.model_config.vocab_size)
     useful = int(out_lens.sum())
 
     wall_c, ttft, tpot, produced = run_requests(llm, prompts, out_lens)
@@ -241,7 +238,7 @@ def latency(results, bw):
     warm = mc_llm.warmup(greedy_only=True)
     rng = np.random.default_rng(1)
     mc = mc_llm.engine.model_config
-    prompt = random_prompts(rng, 1, [plen], mc.vocab_size)
+    prompt = random_prompts(rng, [plen], mc.vocab_size)
     run_requests(mc_llm, prompt, [8])
     wall, ttft, tpot, n = run_requests(mc_llm, prompt, [256])
     step = float(tpot[0])
@@ -320,7 +317,7 @@ def decode(results):
                    seq_buckets=(1, 8), page_buckets=(16,))
     warm = llm.warmup(greedy_only=True)
     rng = np.random.default_rng(4)
-    prompts = random_prompts(rng, 8, [128] * 8, llm.engine.model_config.vocab_size)
+    prompts = random_prompts(rng, [128] * 8, llm.engine.model_config.vocab_size)
     run_requests(llm, prompts[:1], [4])
     wall, ttft, tpot, produced = run_requests(llm, prompts, [128] * 8)
     out = dict(output_tok_s=produced / wall, ttft_p50_s=pct(ttft, 50), tpot_p50_ms=pct(tpot, 50) * 1e3,
@@ -347,7 +344,7 @@ def throughput(results, flops):
     compiled = llm.engine.num_compilations
     mc = llm.engine.model_config
     rng = np.random.default_rng(2)
-    prompts = random_prompts(rng, n, [512] * n, mc.vocab_size)
+    prompts = random_prompts(rng, [512] * n, mc.vocab_size)
     wall, ttft, tpot, produced = run_requests(llm, prompts, [256] * n)
     compilations = llm.engine.num_compilations - compiled
     out_tok_s = produced / wall
@@ -368,7 +365,7 @@ def throughput(results, flops):
     # kernel kind.
     ctx = 512 + 128
     fit = min(seqs, stats["kv_pages_total"] // -(-ctx // llm.engine.config.page_size))
-    decode = profile_decode(llm, random_prompts(rng, fit, [ctx] * fit, mc.vocab_size))
+    decode = profile_decode(llm, random_prompts(rng, [ctx] * fit, mc.vocab_size))
     res.update({f"decode{fit}_{k}": v for k, v in decode.items()})
     del llm
     gc.collect()
@@ -384,8 +381,8 @@ def prefix(results):
                        seq_buckets=(256,), page_buckets=(128,))
         llm.warmup(greedy_only=True)
         mc = llm.engine.model_config
-        system = random_prompts(rng, 1, [1024], mc.vocab_size)[0]
-        prompts = [system + p for p in random_prompts(rng, n, [64] * n, mc.vocab_size)]
+        system = random_prompts(rng, [1024], mc.vocab_size)[0]
+        prompts = [system + p for p in random_prompts(rng, [64] * n, mc.vocab_size)]
         wall, _, _, produced = run_requests(llm, prompts, [128] * n)
         out["on" if caching else "off"] = produced / wall
         del llm

@@ -9,11 +9,13 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxinfer"
 # Highest first; a module may import its own layer or any below it (the longest matching name decides).
-# The facade and the command line (``cli``, ``python -m jaxinfer``) on top; sampling and the tokenizer
-# beside the models; the KV cache's data layout (``paged.kv_cache``) beside the kernels that read and
-# write it; the names of the storage formats (``formats``, importing nothing) at the bottom.
+# The facade, the command line (``cli``, ``python -m jaxinfer``) and its benchmarks' parts (``bench``) on
+# top; sampling and the tokenizer beside the models; the KV cache's data layout (``paged.kv_cache``)
+# beside the kernels that read and write it; the names of the storage formats (``formats``, importing
+# nothing) at the bottom.
 LAYERS = [
-    {"jaxinfer", "jaxinfer.llm", "jaxinfer.outputs", "jaxinfer.server", "jaxinfer.cli", "jaxinfer.__main__"},
+    {"jaxinfer", "jaxinfer.llm", "jaxinfer.outputs", "jaxinfer.server", "jaxinfer.cli", "jaxinfer.bench",
+     "jaxinfer.__main__"},
     {"jaxinfer.batching"},
     {"jaxinfer.models", "jaxinfer.quant", "jaxinfer.paged", "jaxinfer.sampling", "jaxinfer.sampling_params",
      "jaxinfer.tokenizer", "jaxinfer.gguf_tokenizer"},

@@ -18,24 +18,32 @@ SUBCOMMANDS = {
     "convert": ("jaxinfer.cli.convert", "convert a model (GGUF, Hugging Face, preset) to an orbax directory"),
     "plan-sharding": ("jaxinfer.cli.plan_sharding", "a sharded model's bytes per device, without its memory"),
     "build-kernels": ("jaxinfer.cli.build_kernels", "build the native CPU kernels now rather than on first use"),
+    "bench": ("jaxinfer.cli.bench", "benchmark the engine (latency, throughput) or a server (serve), as vllm bench"),
 }
 
 
-def usage() -> str:
-    width = max(map(len, SUBCOMMANDS))
-    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in SUBCOMMANDS.items()]
-    return ("usage: jaxinfer <subcommand> [flags]   (jaxinfer <subcommand> --help for its flags)\n\n"
-            "subcommands:\n" + "\n".join(lines) + "\n")
+def usage(prog: str = "jaxinfer", commands: dict = SUBCOMMANDS, word: str = "subcommand") -> str:
+    width = max(map(len, commands))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in commands.items()]
+    return (f"usage: {prog} <{word}> [flags]   ({prog} <{word}> --help for its flags)\n\n"
+            f"{word}s:\n" + "\n".join(lines) + "\n")
+
+
+def dispatch(prog: str, commands: dict, argv: list[str], word: str = "subcommand") -> None:
+    """Run ``argv[0]``'s command with the rest of ``argv`` as its flags: ``commands`` maps a name to
+    (``module`` or ``module:function``, what it does), the function ``main`` unless named."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        (sys.stdout if argv else sys.stderr).write(usage(prog, commands, word))
+        sys.exit(0 if argv else 2)
+    name = argv[0]
+    if name not in commands:
+        sys.stderr.write(f"{prog}: no {word} {name!r}\n{usage(prog, commands, word)}")
+        sys.exit(2)
+    module, _, function = commands[name][0].partition(":")
+    getattr(importlib.import_module(module), function or "main")(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``argv[1]``'s subcommand with the rest of ``argv`` as its flags."""
     argv = sys.argv if argv is None else argv
-    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
-        (sys.stdout if len(argv) >= 2 else sys.stderr).write(usage())
-        sys.exit(0 if len(argv) >= 2 else 2)
-    name = argv[1]
-    if name not in SUBCOMMANDS:
-        sys.stderr.write(f"jaxinfer: no subcommand {name!r}\n{usage()}")
-        sys.exit(2)
-    importlib.import_module(SUBCOMMANDS[name][0]).main(argv[2:])
+    dispatch("jaxinfer", SUBCOMMANDS, argv[1:])
