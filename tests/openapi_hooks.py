@@ -128,6 +128,8 @@ def filter_case(ctx, case):
         prompts = body.get(key) if isinstance(body.get(key), list) else [body.get(key)]
         if any(isinstance(p, str) and _unreadable(p) for p in prompts):
             return False
+    if body.get("prompt_logprobs") is not None and body.get("stream") is True:
+        return False  # refused (the chat route's description says so in words only)
     # The coverage phase draws plain strings (boundary lengths) for formats it does not know.
     # /tokenize has no room to fit
     generates = case.operation.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")

@@ -41,7 +41,7 @@ SMOLLM2_ARGS = ["--max_num_seqs=8", "--max_num_batched_tokens=64", "--max_model_
                 "--seq_buckets=8", "--page_buckets=8,32", "--max_waiting=64", "--max_request_bytes=65536",
                 "--allowed_origins=https://app.example"]
 TINY_ARGS = ["--model=tiny-llama3", "--load_format=dummy", "--max_num_seqs=1", "--max_num_batched_tokens=16",
-             "--max_model_len=256", "--max_waiting=1", "--api_key=sekret", "--shutdown_timeout=20"]
+             "--max_model_len=256", "--max_waiting=1", "--api_key=sekret", "--shutdown_timeout=20", "--max_logprobs=4"]
 
 
 class Server:
@@ -309,7 +309,12 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "<= 100"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", "[0, 4]"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "<= 20"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, 400, "prompt_logprobs", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+     "stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens", "not supported"),
     ("/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "alloy"}}, 400, "audio", "not supported"),
     ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt", "token ids"),
@@ -793,6 +798,81 @@ def test_embeddings_wait_for_the_engine():
         assert e.value.status == status
 
 
+@pytest.fixture(scope="module")
+def smollm2_llm():
+    """The oracle of the server's passes over prompts: an engine of the same model and max_model_len (the
+    pass's token buckets) in this process."""
+    return LLM(MODEL, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512, token_buckets=(64,),
+               seq_buckets=(1,), page_buckets=(32,))
+
+
+def check_prompt_logprobs(got, ids, k, want, tokenizer):
+    """``got`` (a response's prompt_logprobs) is vLLM's shape of ``want`` (``LLMEngine.prompt_logprobs``
+    of ``ids`` with ``k``): null first, then per token its own and the top k's logprob (within 1e-4),
+    rank (the top k: 1..k; the token, where not among them: past k) and decoded text."""
+    assert len(got) == len(want) == len(ids) and got[0] is None
+    for entry, wanted, token in zip(got[1:], want[1:], ids[1:]):
+        assert list(entry) == [str(t) for t in wanted] and list(entry)[0] == str(token)  # the token first
+        for t, lp in wanted.items():
+            assert abs(entry[str(t)]["logprob"] - lp) < 1e-4 and entry[str(t)]["decoded_token"] == tokenizer.decode([t])
+        ordered = sorted(entry, key=lambda t: -entry[t]["logprob"])
+        assert [entry[t]["rank"] for t in ordered[:k]] == list(range(1, k + 1))
+        assert len(entry) == k or (ordered[-1] == str(token) and entry[str(token)]["rank"] > k)
+
+
+def test_prompt_logprobs(server, smollm2_llm, smollm2_tokenizer):
+    """vLLM's prompt_logprobs: on a completion each choice carries its prompt's (scored once for n=2), on a
+    chat completion the response does, equal to ``LLMEngine.prompt_logprobs`` of the same ids. (Every
+    prompt here and in test_echo is at most 16 tokens with k=3: one compiled pass.)"""
+    ids = smollm2_tokenizer.encode(PROMPTS[0])
+    r = post(server.url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2, "n": 2, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    a, b = r.json()["choices"]
+    assert a["prompt_logprobs"] == b["prompt_logprobs"] and a["text"]
+    check_prompt_logprobs(a["prompt_logprobs"], ids, 3, smollm2_llm.engine.prompt_logprobs(ids, 3), smollm2_tokenizer)
+    short = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "Hi"}]
+    chat = post(server.url, "/v1/chat/completions", {"messages": short, "max_tokens": 1, "prompt_logprobs": 3}).json()
+    chat_ids = apply_chat_template(smollm2_tokenizer, short)
+    assert chat["usage"]["prompt_tokens"] == len(chat_ids) and "prompt_logprobs" not in chat["choices"][0]
+    check_prompt_logprobs(chat["prompt_logprobs"], chat_ids, 3, smollm2_llm.engine.prompt_logprobs(chat_ids, 3),
+                          smollm2_tokenizer)
+    assert "prompt_logprobs" not in post(server.url, "/v1/chat/completions", {"messages": short, "max_tokens": 1}).json()
+
+
+def test_echo(server, client, smollm2_tokenizer):
+    """Completions' echo: each choice's text starts with the prompt (a token-id prompt's decoded), and with
+    logprobs its logprobs start with the prompt tokens' (the first null); streamed, the prompt is the first
+    chunk. Chat's (vLLM's): the reply continues a last assistant message."""
+    ids = smollm2_tokenizer.encode(PROMPTS[1])
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0).choices[0].text
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True,
+                                    logprobs=3)
+    choice = out.choices[0]
+    assert choice.text == PROMPTS[1] + plain
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 4 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    scored = choice.model_extra["prompt_logprobs"]
+    assert len(scored) == len(ids) and lp.token_logprobs[1:len(ids)] == [
+        scored[i][str(t)]["logprob"] for i, t in enumerate(ids) if i]
+    assert all(len(top) in (3, 4) for top in lp.top_logprobs[1:])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert by_ids.choices[0].text == smollm2_tokenizer.decode(ids) + plain and by_ids.choices[0].logprobs is None
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == PROMPTS[1] and "".join(c.choices[0].text for c in chunks) == choice.text
+
+    kw = dict(model=MODEL, max_tokens=2, temperature=0)
+    messages = [*CHAT, {"role": "assistant", "content": "Apples,"}]
+    reply = client.chat.completions.create(messages=messages, extra_body={"echo": True}, **kw).choices[0].message.content
+    assert reply == "Apples," + client.chat.completions.create(messages=messages, **kw).choices[0].message.content
+    stream = client.chat.completions.create(messages=messages, stream=True, extra_body={"echo": True}, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == reply
+    unechoed = client.chat.completions.create(messages=CHAT, extra_body={"echo": True}, **kw)  # the user's is last
+    assert unechoed.choices[0].message.content == client.chat.completions.create(messages=CHAT, **kw).choices[
+        0].message.content
+
+
 def test_cors_allows_only_the_allowed_origins(server):
     """--allowed_origins: a browser's preflight from an allowed origin passes, from another fails, and
     the allowed origin's requests carry the header that lets its page read the answer."""
@@ -871,6 +951,17 @@ def test_embeddings_match_llm_embed_and_need_the_key(tiny):
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
+def test_logprobs_past_max_logprobs_name_the_field(tiny):
+    """Above the server's --max-logprobs (4 here), prompt_logprobs and logprobs are 400s naming the field."""
+    key = {"Authorization": "Bearer sekret"}
+    for field in ("prompt_logprobs", "logprobs"):
+        r = post(tiny.url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1, field: 5}, headers=key)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "max_logprobs" in r.json()["error"]["message"]
+    r = post(tiny.url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 4}, headers=key)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == 3, r.text
+
+
 def test_queue_full_answers_503(tiny):
     body = {"prompt": [1, 2, 3], "max_tokens": 240, "ignore_eos": True}
 
@@ -922,7 +1013,7 @@ VLLM_EXTRAS = {
              "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
              "kv_transfer_params", "vllm_xargs", "add_special_tokens"],
     "completions": ["echo", "response_format", "prompt_embeds"],
-    "chat": ["add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+    "chat": ["echo", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
              "documents", "mm_processor_kwargs"],
 }
 
@@ -956,7 +1047,7 @@ def test_every_openai_and_vllm_request_field_is_served_or_refused():
         missing = (set(fields) | streamed | set(vllm[model])) - declared(model)
         assert not missing, f"{model.__name__} drops {sorted(missing)}"
     # a refused field: its default passes, another value is a 400 naming it
-    for field, value in [("length_penalty", 2.0), ("echo", True), ("prompt_logprobs", 1), ("cache_salt", "s")]:
+    for field, value in [("length_penalty", 2.0), ("suffix", "s"), ("cache_salt", "s")]:
         body = json.dumps({"prompt": "hi", field: value}).encode()
         with pytest.raises(protocol.APIError) as e:
             protocol.parse(protocol.CompletionRequest, body)

@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.batching.buckets import Buckets, geometric
 from jaxinfer.batching.inflight import DispatchedStep
 from jaxinfer.batching.model_runner import ModelRunner
-from jaxinfer.batching.outputs import EngineOutput, OutputProcessor
+from jaxinfer.batching.outputs import EngineOutput, OutputProcessor, PromptLogprobs
 from jaxinfer.batching.request import Request, RequestError, Status
 from jaxinfer.batching.resolve import ResolvedConfig
 from jaxinfer.batching.scheduler import Scheduler
@@ -161,8 +161,13 @@ class LLMEngine:
     def prompt_logprobs(self, prompt: Seq[int], k: int) -> list[dict[int, float] | None]:
         """vLLM's prompt logprobs of a token-id prompt: None for its first token, then per token a dict of
         its own log-probability given the tokens before it and the ``k`` most likely tokens' (under the
-        model's raw distribution). One pass over the prompt (``models.pooling.token_logprobs``), run at
-        once on the caller's thread as ``embed`` is; its token count padded to a power of two."""
+        model's raw distribution); ``score_prompt``'s arrays as dicts."""
+        return self.score_prompt(prompt, k).as_dicts()
+
+    def score_prompt(self, prompt: Seq[int], k: int) -> PromptLogprobs:
+        """The prompt logprobs of a token-id prompt as arrays, with each token's rank: one pass over the
+        prompt (``models.pooling.token_logprobs``), run at once on the caller's thread as ``embed`` is;
+        its token count padded to a power of two."""
         if self._multihost:
             raise ValueError("prompt_logprobs are not supported over several processes")
         if not 0 <= k <= self.resolved.max_logprobs:
@@ -170,13 +175,10 @@ class LLMEngine:
                              f"max_logprobs), got {k}")
         ids = encode_prompt(list(prompt), None, self.model_config.vocab_size, self.max_model_len, generate=False)
         tokens = Buckets.pick(geometric(16, self.max_model_len, 2), len(ids))
-        target, top = self.runner.prompt_logprobs(ids, tokens, k)
-        out: list[dict[int, float] | None] = [None]
-        for i, token in enumerate(ids[1:]):
-            entry = {} if top is None else {int(t): float(v) for t, v in zip(top[1][i], top[0][i])}
-            entry[token] = float(target[i])
-            out.append(entry)
-        return out
+        target, rank, top = self.runner.prompt_logprobs(ids, tokens, k)
+        if top is None:
+            top = np.zeros((len(target), 0), np.float32), np.zeros((len(target), 0), np.int32)
+        return PromptLogprobs(ids, target, rank, *top)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its pages are freed at once. False if it is unknown."""

@@ -283,16 +283,17 @@ class ModelRunner:
 
     def prompt_logprobs(self, prompt: list[int], num_tokens: int, k: int):
         """The prompt's tokens' logprobs from one pass of ``num_tokens`` (a bucket) over a scratch cache
-        (``models.pooling.token_logprobs``): ``(next token's logprob [n - 1], top k logprobs and ids
-        [n - 1, k] or None)``, position i scoring ``prompt[i + 1]``."""
+        (``models.pooling.token_logprobs``): ``(next token's logprob [n - 1], its rank [n - 1], top k
+        logprobs and ids [n - 1, k] or None)``, position i scoring ``prompt[i + 1]``."""
         cache, page_size = self._scratch_cache(num_tokens, 1)
         tokens, positions, md, _ = pooling_pass.pack([prompt], num_tokens, 1, page_size, "mean")
         targets = np.zeros(num_tokens, np.int32)
         targets[:len(prompt) - 1] = prompt[1:]
-        target, top, _ = pooling_pass.token_logprobs(self.weights, cache, tokens, positions, md, targets,
-                                                     config=self.config, ops=self._ops, k=k)
+        target, rank, top, _ = pooling_pass.token_logprobs(self.weights, cache, tokens, positions, md, targets,
+                                                           config=self.config, ops=self._ops, k=k)
         n = len(prompt) - 1
-        return np.asarray(target)[:n], None if top is None else (np.asarray(top[0])[:n], np.asarray(top[1])[:n])
+        return (np.asarray(target)[:n], np.asarray(rank)[:n],
+                None if top is None else (np.asarray(top[0])[:n], np.asarray(top[1])[:n]))
 
     def _scratch_cache(self, num_tokens: int, num_seqs: int):
         """A zeroed KV cache laid out as the engine's (dtype, sharding) with the pages one pass of

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import NamedTuple
+
+import numpy as np
 
 from jaxinfer.batching.request import Request, RequestError, Status
 from jaxinfer.tokenizer import IncrementalDetokenizer
@@ -33,6 +36,31 @@ class EngineOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     error: RequestError | None = None  # why the request failed (``finish_reason == "error"``); it failed alone
+
+
+class PromptLogprobs(NamedTuple):
+    """A prompt's logprobs as arrays (``LLMEngine.score_prompt``), row i scoring ``token_ids[i + 1]``
+    given the tokens before it: its log-probability and rank (1: the most likely), and the ``k`` most
+    likely tokens' log-probabilities and ids, most likely first (``[n - 1, k]``, k may be 0). Arrays,
+    so a server's engine process sends a long prompt's in a few buffers."""
+
+    token_ids: list[int]
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_logprobs: np.ndarray
+    top_ids: np.ndarray
+
+    def rows(self):
+        """Per token after the first, ``(token id, logprob, rank)`` of the token itself, then of the top k."""
+        ranks = range(1, self.top_ids.shape[1] + 1)
+        for i, token in enumerate(self.token_ids[1:]):
+            yield [(token, float(self.logprobs[i]), int(self.ranks[i])),
+                   *zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist(), ranks)]
+
+    def as_dicts(self) -> list[dict[int, float] | None]:
+        """vLLM's ``prompt_logprobs``: None for the first token, then per token ``{token id: logprob}`` of
+        the token itself (first) and the top k."""
+        return [None, *({token: logprob for token, logprob, _ in row} for row in self.rows())]
 
 
 @dataclasses.dataclass

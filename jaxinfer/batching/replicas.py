@@ -38,13 +38,23 @@ class ReplicatedEngine:
         return self.replicas[0].encode(prompt)
 
     def embed(self, prompts, pooling: str = "last", normalize: bool = True):
-        """``LLMEngine.embed`` on the replica with the fewest unfinished requests (all hold the same weights)."""
-        return min(self.replicas, key=lambda e: e.num_unfinished).embed(prompts, pooling, normalize)
+        """``LLMEngine.embed`` on the least busy replica (all hold the same weights)."""
+        return self._least_busy().embed(prompts, pooling, normalize)
+
+    def prompt_logprobs(self, prompt, k: int):
+        return self._least_busy().prompt_logprobs(prompt, k)
+
+    def score_prompt(self, prompt, k: int):
+        return self._least_busy().score_prompt(prompt, k)
+
+    def _least_busy(self) -> LLMEngine:
+        """The replica with the fewest unfinished requests (ties: the lowest index)."""
+        return min(self.replicas, key=lambda e: e.num_unfinished)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        engine = min(self.replicas, key=lambda e: e.num_unfinished)
+        engine = self._least_busy()
         engine.add_request(request_id, prompt, params, priority)
         self._owner[request_id] = engine
 

@@ -85,15 +85,17 @@ def pack(prompts: list[list[int]], num_tokens: int, num_seqs: int, page_size: in
 def token_logprobs(weights: Weights, cache: KVCache, tokens, positions, md: BatchMetadata, targets, *,
                    config: ModelConfig, ops: Ops, k: int):
     """One pass (``pack``'s inputs with every token's logits, pooling "mean"): per token, the
-    log-probability of ``targets`` (the prompt's next token) ``[T]``, and the top ``k`` ``([T, k]``
+    log-probability of ``targets`` (the prompt's next token) ``[T]``, its rank ``[T]`` (vLLM's: how
+    many tokens are at least as likely, so 1 for the most likely), and the top ``k`` ``([T, k]``
     log-probabilities, ids; None for ``k == 0``), float32 under the model's own distribution; and
     the scratch cache (donated, dropped by the caller)."""
     log.info("compiling prompt logprobs pass: tokens=%d top=%d", tokens.shape[0], k)
     logits, cache = forward(weights, tokens, positions, cache, md, config, ops)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    target = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    target = jnp.take_along_axis(lp, targets[:, None], axis=-1)
+    rank = jnp.sum(lp >= target, axis=-1, dtype=jnp.int32)
     top = jax.lax.top_k(lp, k) if k else None
-    return target, top, cache
+    return target[:, 0], rank, top, cache
 
 
 @functools.partial(jax.jit, static_argnames=("config", "ops", "pooling", "normalize"), donate_argnames=("cache",))

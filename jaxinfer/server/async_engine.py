@@ -136,11 +136,12 @@ class AsyncEngine:
         self.max_model_len: int | None = None
         self.vocab_size = 0
         self.hidden_size: int | None = None  # the model's (an embedding's length), once ready
+        self.max_logprobs = 0  # the most top logprobs a request may ask for per token, once ready
         self._stats: dict | None = None  # the engine's last stats(), replaced whole per step
         self._ids = itertools.count()
         self._inflight = 0  # sub-requests admitted and not yet released (event-loop side)
         self._live: dict[str, tuple[_Choice, Submission]] = {}
-        self._embeds: dict[str, asyncio.Future] = {}  # "embed" commands sent and not yet answered
+        self._scores: dict[str, tuple[asyncio.Future, str]] = {}  # "score" commands unanswered, and their field
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -173,12 +174,23 @@ class AsyncEngine:
         return encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len, generate)
 
     def embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> asyncio.Future:
-        """Send encoded prompts to the engine core to be embedded (``LLMEngine.embed``, run between two
-        steps); the future's result is their vectors (float32 ``[prompts, hidden]``), or an APIError."""
+        """Encoded prompts' embeddings (``LLMEngine.embed``): a future of float32 ``[prompts, hidden]``."""
+        return self._score("embed", (prompts, pooling, normalize), "input")
+
+    def prompt_logprobs(self, prompt: list[int], k: int) -> asyncio.Future:
+        """An encoded prompt's logprobs with the top ``k`` per token (``LLMEngine.score_prompt``): a future
+        of its ``PromptLogprobs``."""
+        return self._score("prompt_logprobs", (prompt, k), "prompt_logprobs")
+
+    def _score(self, kind: str, args: tuple, param: str) -> asyncio.Future:
+        """Send a pass over prompts to the engine core, which runs it between two steps; the future's
+        result is the pass's, or an APIError (400: naming ``param``, the field the prompts came from)."""
         self.check_serving()
-        eid = f"embd-{next(self._ids)}"
-        future = self._embeds[eid] = self._loop.create_future()
-        self._outbox.put([("embed", eid, prompts, pooling, normalize)])
+        sid = f"score-{next(self._ids)}"
+        future = self._loop.create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error nobody awaits is not logged
+        self._scores[sid] = (future, param)
+        self._outbox.put([("score", sid, kind, args)])
         return future
 
     def check_serving(self) -> None:
@@ -285,25 +297,25 @@ class AsyncEngine:
             sub._update(rid)
         self._stats = stats
 
-    def _on_embedding(self, eid: str, vectors, error: tuple[int, str] | None) -> None:
-        future = self._embeds.pop(eid, None)
+    def _on_scored(self, sid: str, result, error: tuple[int, str] | None) -> None:
+        future, param = self._scores.pop(sid, (None, None))
         if future is None or future.done():
             return  # its handler gave up (a timeout)
         if error is None:
-            future.set_result(vectors)
+            future.set_result(result)
         elif error[0] == 400:
-            future.set_exception(APIError(400, f"input: {error[1]}", param="input"))
+            future.set_exception(APIError(400, f"{param}: {error[1]}", param=param))
         else:
-            log.error("embedding %s: %s", eid, error[1])
-            future.set_exception(APIError(error[0], f"internal error (embedding {eid})", type="server_error"))
+            log.error("%s: %s", sid, error[1])
+            future.set_exception(APIError(error[0], f"internal error ({sid})", type="server_error"))
 
     def _on_error(self, rid: str | None, error: APIError) -> None:
-        """Fail one sub-request's submission, or every live one (rid None), embeddings included."""
+        """Fail one sub-request's submission, or every live one (rid None), passes over prompts included."""
         if rid is None:
-            for future in self._embeds.values():
+            for future, _ in self._scores.values():
                 if not future.done():
                     future.set_exception(error)
-            self._embeds.clear()
+            self._scores.clear()
         rids = list(self._live) if rid is None else [rid]
         for r in rids:
             entry = self._live.pop(r, None)
@@ -358,14 +370,14 @@ class AsyncEngine:
                 kind = msg[0]
                 if kind == "step":
                     cause = self._post(self._on_step, msg[1], msg[2])
-                elif kind == "embedding":
-                    cause = self._post(self._on_embedding, msg[1], msg[2], msg[3])
+                elif kind == "scored":
+                    cause = self._post(self._on_scored, msg[1], msg[2], msg[3])
                 elif kind == "error":
                     cause = self._post(self._on_engine_error, msg[1], msg[2], msg[3])
                 elif kind == "ready":
                     info = msg[1]
                     self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
-                    self.hidden_size = info["hidden_size"]
+                    self.hidden_size, self.max_logprobs = info["hidden_size"], info["config"]["max_logprobs"]
                     self.warmup_seconds, self._stats = info["warmup_seconds"], info["stats"]
                     self.resolved_config = info["config"]
                     self.ready.set()

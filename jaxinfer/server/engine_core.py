@@ -10,13 +10,16 @@ offline path runs them too (overlapped with the device step), so streamed text e
 
 Messages, front end -> core (each a list of commands, sent in batches):
     ("add", request_id, prompt_ids, SamplingParams, priority) | ("abort", request_id) | ("stop",)
-    | ("embed", embed_id, [prompt_ids, ...], pooling, normalize): run between two steps (``LLMEngine.embed``)
+    | ("score", score_id, kind, args): a pass over prompts, run between two steps: kind "embed" with
+        args ([prompt_ids, ...], pooling, normalize) (``LLMEngine.embed``), or "prompt_logprobs" with
+        args (prompt_ids, k) (``LLMEngine.score_prompt``)
 core -> front end:
     ("ready", info) once, after warm-up; ("fatal", message) if the engine could not start;
     ("step", StepOutputs, stats) once per step that produced outputs or changed state;
     ("error", request_id, status, message) for a request the engine refused or that failed alone (400:
         the request's own fault, the message is for the client; else the engine's, logged);
-    ("embedding", embed_id, float32 array [prompts, hidden] | None, None | (status, message)) per "embed";
+    ("scored", score_id, result | None, None | (status, message)) per "score": "embed"'s float32 array
+        [prompts, hidden], "prompt_logprobs"' ``PromptLogprobs``; or why not (400: the request's fault);
     ("stopped", stats) as the last message.
 """
 
@@ -213,17 +216,23 @@ class _Constraints:
                 yield rid, prompt, params, priority, future.exception()
 
 
-def _embed(engine: LLMEngine, outputs: _Outbox, eid: str, prompts, pooling: str, normalize: bool) -> None:
-    """One "embed" command, answered with its vectors or why not (400: the request's fault)."""
+# What each "score" command runs on the engine.
+_SCORES = {
+    "embed": lambda engine, prompts, pooling, normalize: np.stack(engine.embed(prompts, pooling, normalize)),
+    "prompt_logprobs": lambda engine, prompt, k: engine.score_prompt(prompt, k)}
+
+
+def _score(engine: LLMEngine, outputs: _Outbox, sid: str, kind: str, args) -> None:
+    """One "score" command, answered with its result or why not (400: the request's fault)."""
     try:
-        vectors = np.stack(engine.embed(prompts, pooling, normalize))
+        result = _SCORES[kind](engine, *args)
     except (ValueError, TypeError) as e:
-        outputs.send(("embedding", eid, None, (400, str(e))))
+        outputs.send(("scored", sid, None, (400, str(e))))
     except Exception as e:  # noqa: BLE001 - the pass failed, not the engine: answered, logged, serving goes on
-        log.exception("embedding %s failed", eid)
-        outputs.send(("embedding", eid, None, (500, f"{type(e).__name__}: {e}")))
+        log.exception("%s %s failed", kind, sid)
+        outputs.send(("scored", sid, None, (500, f"{type(e).__name__}: {e}")))
     else:
-        outputs.send(("embedding", eid, vectors, None))
+        outputs.send(("scored", sid, result, None))
 
 
 def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
@@ -252,7 +261,7 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
         while commands.poll():
             batches.append(commands.recv())
         changed = bool(batches)
-        embeds = []
+        scores = []
         for batch in batches:
             for cmd in batch:
                 if cmd[0] == "stop":
@@ -265,8 +274,8 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
                         live.discard(cmd[1])
                         compiling.abort(cmd[1]) or engine.abort(cmd[1])
                     continue
-                if cmd[0] == "embed":
-                    embeds.append(cmd[1:])
+                if cmd[0] == "score":
+                    scores.append(cmd[1:])
                     continue
                 _, rid, prompt, params, priority = cmd
                 live.add(rid)
@@ -274,8 +283,8 @@ def _loop(engine: LLMEngine, commands: Connection, outputs: _Outbox) -> None:
                     compiling.add(rid, prompt, params, priority)
                 else:
                     add(rid, prompt, params, priority)
-        for eid, prompts, pooling, normalize in embeds:  # between two steps: a pass reads only the weights
-            _embed(engine, outputs, eid, prompts, pooling, normalize)
+        for sid, kind, args in scores:  # between two steps: a pass reads only the weights
+            _score(engine, outputs, sid, kind, args)
         for rid, prompt, params, priority, error in compiling.ready():
             changed = True
             if error is None:

@@ -189,8 +189,9 @@ class _Sampling(_Request):
     request_id: str | None = None  # vLLM's; responses carry the server's own id (X-Request-Id)
     best_of: _int(1, 1) | None = Field(None, description="only 1: each choice is generated once, none discarded")
     guided_decoding_backend: Literal["auto", "guidance"] | None = None  # vLLM's; llguidance is the one here
+    # vLLM's: the prompt's tokens' logprobs, each with the top k; <= the server's max_logprobs
+    prompt_logprobs: Logprobs | None = Field(None, description="not with stream (as vLLM)")
     # Output options this server does not serve except at their defaults (refused by name otherwise)
-    prompt_logprobs: None = None
     skip_special_tokens: Literal[True] = True
     spaces_between_special_tokens: Literal[True] = True
     include_stop_str_in_output: Literal[False] = False
@@ -235,15 +236,22 @@ _NO_CHAT_CONSTRAINT = {**_NO_CONSTRAINT,
                        "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}]}}
 
 
+# prompt_logprobs are not streamed (as vLLM refuses them with stream). Said on completions only: with
+# the chat route's other two rules Schemathesis could not draw requests from the description.
+_PROMPT_LOGPROBS_NOT_STREAMED = {"anyOf": [{"properties": {"prompt_logprobs": _NULL}},
+                                           {"properties": {"stream": {"const": False}}}]}
+
+
 class CompletionRequest(_Sampling):
-    model_config = ConfigDict(json_schema_extra=_at_most_one(_NO_CONSTRAINT))
+    model_config = ConfigDict(json_schema_extra={"allOf": [_at_most_one(_NO_CONSTRAINT),
+                                                           _PROMPT_LOGPROBS_NOT_STREAMED]})
     # Refused here only: the chat route's response_format is served (a wrong one there is a type error).
     REFUSED: ClassVar[dict[str, str]] = {"response_format": "leave it out (/v1/chat/completions serves it)"}
 
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
     logprobs: Logprobs | None = None
-    echo: Literal[False] = False  # unsupported
+    echo: bool = False  # each choice's text (and logprobs) starts with the prompt's
     suffix: None = None  # unsupported
     response_format: None = None  # unsupported on completions (vLLM's extra); the chat route serves it
     prompt_embeds: None = None  # unsupported
@@ -288,6 +296,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: a reply begins with the last message's content where that message is the assistant's
+    echo: bool = False
     modalities: list[Literal["text"]] | None = None
     # OpenAI's and vLLM's options this server does not serve (refused by name when set)
     audio: None = None
@@ -535,7 +545,7 @@ def parse(model: type[BaseModel], body: bytes):
 # Options this server does not support: refused by name rather than ignored (the schema admits only
 # the values that mean "off").
 _UNSUPPORTED = frozenset({
-    "echo", "suffix", "prompt_embeds", "prompt_logprobs", "skip_special_tokens",
+    "suffix", "prompt_embeds", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids",
     "return_token_ids", "add_special_tokens", "structural_tag", "guided_whitespace_pattern", "cache_salt",
@@ -606,11 +616,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+# vLLM's prompt_logprobs: null for the first prompt token, then per token {token id: {logprob, rank,
+# decoded_token}} of the token itself and the top k.
+PromptLogprobsField = list[dict[str, dict] | None] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: dict | None
     finish_reason: Literal["stop", "length", "abort"] | None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(BaseModel):
@@ -646,6 +662,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ModelCard(BaseModel):

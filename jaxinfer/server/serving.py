@@ -17,6 +17,8 @@ import base64
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import time
 import uuid
@@ -26,7 +28,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxinfer.batching.outputs import EngineOutput
+from jaxinfer.batching.outputs import EngineOutput, PromptLogprobs
 from jaxinfer.sampling_params import SamplingParams, check_logit_bias, choices
 from jaxinfer.server import responses, tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
@@ -44,6 +46,7 @@ class _Job:
     prompts: list[list[int]]  # distinct prompts
     choice_prompts: list[list[int]]
     params: list[SamplingParams]
+    prompt_logprobs: int | None = None  # top logprobs per token of each prompt's pass; None: no pass
 
 
 class OpenAIServing:
@@ -106,9 +109,14 @@ class OpenAIServing:
         """The engine's sub-requests and the response renderer of a completion (run off the event loop)."""
         prompts = [self._encode(p, "prompt") for p in raw]
         structured = request_constraint(req, self.engine.tokenizer)
+        # vLLM's: echoed logprobs begin with the prompt's, as many top ones as logprobs asks for
+        prompt_logprobs = self._prompt_pass(req, req.logprobs if req.echo else None)
         job = self._job(req, prompts, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set,
-                        logprobs=req.logprobs, structured=structured)
-        return job, _CompletionRenderer(self, req)
+                        logprobs=req.logprobs, structured=structured, prompt_logprobs=prompt_logprobs)
+        echoed = None
+        if req.echo:  # a prompt of token ids is echoed as its text
+            echoed = [p if isinstance(p, str) else self._tokenizer("echo").decode(ids) for p, ids in zip(raw, prompts)]
+        return job, _CompletionRenderer(self, req, prompts, echoed)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[_Job, _Renderer]:
         """The engine's sub-request and the response renderer of a chat completion (run off the event loop)."""
@@ -134,10 +142,28 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job(req, [prompt], max_tokens, name, explicit=True, logprobs=logprobs,
-                        logprobs_param="top_logprobs", structured=structured)
+                        logprobs_param="top_logprobs", structured=structured,
+                        prompt_logprobs=self._prompt_pass(req, None))
         parser = self.tool_parser or tool_parsers.parser_for_template(self.chat_template or
                                                                       str(tokenizer.chat_template or ""))
-        return job, _ChatRenderer(self, req, plan, parser)
+        # vLLM's echo: the reply continues the last message where that is the assistant's
+        echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+        return job, _ChatRenderer(self, req, plan, parser, echo)
+
+    def _prompt_pass(self, req, implied: int | None) -> int | None:
+        """The top logprobs per token of the prompt's pass: ``prompt_logprobs``, else ``implied``; None for none."""
+        if req.prompt_logprobs is None:
+            return implied
+        if req.stream:
+            raise APIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs",
+                           code="unsupported")
+        self._check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        return req.prompt_logprobs
+
+    def _check_logprobs(self, k: int | None, param: str) -> None:
+        if k is not None and k > self.engine.max_logprobs:
+            raise APIError(400, f"{param} must be in [0, {self.engine.max_logprobs}] (the server's max_logprobs), "
+                                f"got {k}", param=param, code="invalid_value")
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._prepare, self._tokenize, req)
@@ -237,9 +263,11 @@ class OpenAIServing:
                            code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
 
     def _job(self, req, prompts: list[list[int]], max_tokens: int | None, max_tokens_param: str, *,
-             explicit: bool, logprobs: int | None, logprobs_param: str = "logprobs", structured=None) -> _Job:
+             explicit: bool, logprobs: int | None, logprobs_param: str = "logprobs", structured=None,
+             prompt_logprobs: int | None = None) -> _Job:
         """Without max_tokens a request may use the rest of the context; a default (not an explicit
         value) is clipped to it, while an explicit value that does not fit is an error."""
+        self._check_logprobs(logprobs, logprobs_param)
         limit = self.engine.max_model_len
         choice_prompts, params = [], []
         for ids in prompts:
@@ -259,7 +287,7 @@ class OpenAIServing:
             for one in choices(base):
                 params.append(one)
                 choice_prompts.append(ids)
-        return _Job(prompts, choice_prompts, params)
+        return _Job(prompts, choice_prompts, params, prompt_logprobs)
 
     # -------------------------------------------------------------------------------- responses
 
@@ -271,13 +299,19 @@ class OpenAIServing:
         if self.request_timeout is not None:
             deadline = time.monotonic() + self.request_timeout
             timeout = self._timeout_error()
-        self.engine.admit(count, param)
-        try:
-            work = asyncio.get_running_loop().run_in_executor(self._prepare, prepare)
+
+        async def in_time(work):
             try:
-                job, render = await asyncio.wait_for(work, None if deadline is None else deadline - time.monotonic())
+                return await asyncio.wait_for(work, None if deadline is None else deadline - time.monotonic())
             except TimeoutError:
                 raise timeout from None
+
+        self.engine.admit(count, param)
+        try:
+            job, render = await in_time(asyncio.get_running_loop().run_in_executor(self._prepare, prepare))
+            if job.prompt_logprobs is not None:  # each prompt scored once, whatever its n, before any is queued
+                render.scores = await in_time(asyncio.gather(
+                    *(self.engine.prompt_logprobs(p, job.prompt_logprobs) for p in job.prompts)))
             request_id = request.state.request_id
             sub = self.engine.submit(request_id, f"{kind}-{uuid.uuid4().hex[:16]}", job.choice_prompts, job.params,
                                      priority=req.priority, deadline=deadline, timeout_error=timeout)
@@ -302,7 +336,7 @@ class OpenAIServing:
         choices = [render.choice(i, finals[i]) for i in range(len(finals))]
         return JSONResponse({"id": sub.request_ids[0].rsplit("-", 1)[0], "object": render.object,
                              "created": int(time.time()), "model": self.model_name, "choices": choices,
-                             "usage": _usage(job, finals.values())})
+                             "usage": _usage(job, finals.values()), **render.response_fields()})
 
     async def _stream(self, sub: Submission, index: dict[str, int], job: _Job, render, request: Request, *,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -469,23 +503,63 @@ def _is_ids(prompt) -> bool:
 class _Renderer:
     def __init__(self, serving: OpenAIServing, req):
         tok = serving.engine.tokenizer
-        self._decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: f"<{t}>")
+        # cached: a prompt's logprobs decode each of its tokens' top k, the same few tokens again and again
+        self._decode = functools.lru_cache(maxsize=None)((lambda t: tok.decode([t])) if tok is not None
+                                                         else (lambda t: f"<{t}>"))
+        self._has_tokenizer = tok is not None
         self.req = req
+        self.scores: list[PromptLogprobs] | None = None  # each prompt's logprobs, where the request asked
 
     def first_chunk(self, i: int) -> dict | None:
         return None
+
+    def response_fields(self) -> dict:
+        """Fields of a (not streamed) response beside its choices."""
+        return {}
+
+    def _prompt_logprobs(self, prompt: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` of the request's ``prompt``-th prompt: null for its first token, then
+        per token ``{token id: {logprob, rank, decoded_token}}`` of the token itself and the top k."""
+        return [None, *({str(t): {"logprob": max(lp, -9999.0), "rank": rank,
+                                  "decoded_token": self._decode(t) if self._has_tokenizer else None}
+                         for t, lp, rank in row} for row in self.scores[prompt].rows())]
 
 
 class _CompletionRenderer(_Renderer):
     object, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, serving, req):
+    def __init__(self, serving, req, prompts: list[list[int]], echoed: list[str] | None):
         super().__init__(serving, req)
+        self._prompts = prompts  # each prompt's ids; choice i is of prompt i // n
+        self._echoed = echoed  # each prompt's text, with echo
         self._offsets: dict[int, int] = {}  # streamed characters so far, for text_offset
 
     def choice(self, i: int, out: EngineOutput) -> dict:
-        return {"index": i, "text": out.text, "logprobs": self._logprobs(i, out.token_ids, out.logprobs),
-                "finish_reason": out.finish_reason}
+        p = i // self.req.n
+        text, ids, lps = out.text, out.token_ids, out.logprobs
+        if self._echoed is not None:
+            text = self._echoed[p] + text
+            if lps is not None:
+                ids, lps = self._prompts[p] + ids, self._echoed_logprobs(p) + lps
+        choice = {"index": i, "text": text, "logprobs": self._logprobs(i, ids, lps), "finish_reason": out.finish_reason}
+        if self.scores is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(p)
+        return choice
+
+    def first_chunk(self, i: int) -> dict | None:
+        """With echo, the prompt (and its logprobs) before the choice's first tokens."""
+        if self._echoed is None:
+            return None
+        p = i // self.req.n
+        lps = self._echoed_logprobs(p) if self.req.logprobs is not None else None
+        return {"index": i, "text": self._echoed[p], "logprobs": self._logprobs(i, self._prompts[p], lps),
+                "finish_reason": None}
+
+    def _echoed_logprobs(self, p: int) -> list[dict[int, float] | None]:
+        """Prompt ``p``'s logprobs as an echoing choice's begin: each token's and the top ``logprobs`` (as
+        a generated token's; prompt_logprobs may have asked for more)."""
+        keep = self.req.logprobs + 1
+        return [None if d is None else dict(itertools.islice(d.items(), keep)) for d in self.scores[p].as_dicts()]
 
     def delta(self, i: int, out: EngineOutput) -> list[dict]:
         lps = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):] if out.logprobs is not None else None
@@ -501,8 +575,10 @@ class _CompletionRenderer(_Renderer):
             offsets.append(pos)
             pos += len(s)
         self._offsets[i] = pos
-        return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(ids, lps)],
-                "top_logprobs": [{self._decode(k): v for k, v in lp.items()} for lp in lps], "text_offset": offsets}
+        # an echoed prompt's first token has no logprobs (null)
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(ids, lps)],
+                "top_logprobs": [None if lp is None else {self._decode(k): v for k, v in lp.items()} for lp in lps],
+                "text_offset": offsets}
 
 
 class _ChatRenderer(_Renderer):
@@ -519,9 +595,10 @@ class _ChatRenderer(_Renderer):
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, serving, req, plan: ToolPlan, parser: tool_parsers.ToolParser):
+    def __init__(self, serving, req, plan: ToolPlan, parser: tool_parsers.ToolParser, echo: str = ""):
         super().__init__(serving, req)
         self.plan, self.parser = plan, parser
+        self._echo = echo  # what the reply's content begins with (echo)
         self._text: dict[int, str] = {}
         self._sent: dict[int, int] = {}  # characters of _text sent as content
         self._streamed: dict[int, dict[int, list[str]]] = {}  # choice -> call index -> [id, arguments sent]
@@ -550,14 +627,18 @@ class _ChatRenderer(_Renderer):
 
     def choice(self, i: int, out: EngineOutput) -> dict:
         content, calls, _ = self._calls(out.text)
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": self._echo + (content or "") if self._echo else content}
         if calls:
             message["tool_calls"] = [{"id": _call_id(), "type": "function", "function": call} for call in calls]
         return {"index": i, "message": message, "logprobs": self._logprobs(out.token_ids, out.logprobs),
                 "finish_reason": "tool_calls" if calls else out.finish_reason}
 
     def first_chunk(self, i: int) -> dict:
-        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": i, "delta": {"role": "assistant", "content": self._echo}, "logprobs": None,
+                "finish_reason": None}
+
+    def response_fields(self) -> dict:
+        return {} if self.scores is None else {"prompt_logprobs": self._prompt_logprobs(0)}
 
     def delta(self, i: int, out: EngineOutput) -> list[dict]:
         """One chunk's choice for the content, then one per tool-call delta (the last carries
