@@ -11,7 +11,7 @@ from typing import Sequence
 
 from jaxinfer.models.weights import ModelFileError, ModelSource
 from jaxinfer.models.weights.gguf_file import gguf_file
-from jaxinfer.models.weights.source import blamed_on
+from jaxinfer.models.weights.source import blamed_on, resolve_model, resolve_tokenizer
 from jaxinfer.user_cache import derived_from
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,17 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     path = os.path.join(source.path, CONVERTED_TOKENIZER_DIR)  # orbax
     return AutoTokenizer.from_pretrained(path, local_files_only=True) if os.path.isdir(path) else None
+
+
+def tokenizer_source(model: ModelSource | str, config) -> ModelSource | None:
+    """Where an engine with ``config`` (an ``EngineConfig``) for ``model`` (its source, or its name to
+    resolve) reads its tokenizer: nowhere (None) with ``skip_tokenizer_init``; ``config.tokenizer``
+    where given (``resolve_tokenizer``); else the model's own files."""
+    if config.skip_tokenizer_init:
+        return None
+    if config.tokenizer is not None:
+        return resolve_tokenizer(config.tokenizer, download_dir=config.download_dir)
+    return model if isinstance(model, ModelSource) else resolve_model(model, **config.model_location())
 
 
 def check_has_tokenizer(source: ModelSource) -> None:

@@ -17,6 +17,7 @@ from jaxinfer.models.weights import hub
 
 MAIN = "a" * 40  # commit hashes of the cached repos
 V1 = "b" * 40
+WEIGHTS_AND_CONFIG = ("config.json", "model.safetensors")
 OPTS = dict(dtype="float32", max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, num_pages=8,
             token_buckets=(16,), seq_buckets=(1,), page_buckets=(4,), num_scheduler_steps=1)
 
@@ -81,7 +82,8 @@ def checkpoint(tiny_chat_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cache(checkpoint, tmp_path_factory):
     """A Hugging Face cache holding ``org/tiny`` (main: the checkpoint; tag v1: its config and weights,
-    without a tokenizer) and ``org/tiny-gguf`` (the embedded SmolLM2 GGUF, in a subfolder too)."""
+    without a tokenizer), ``org/tiny-gguf`` (the embedded SmolLM2 GGUF, in a subfolder too) and
+    ``org/tiny-tokenizer`` (the checkpoint's tokenizer files alone)."""
     root = tmp_path_factory.mktemp("hf_home")
     cache = str(root / "hub")
     files = {name: str(checkpoint / name) for name in os.listdir(checkpoint)}
@@ -90,6 +92,7 @@ def cache(checkpoint, tmp_path_factory):
     cache_repo(cache, "org/tiny", {n: files[n] for n in ("config.json", "model.safetensors")}, V1, refs=("v1",))
     gguf = resolve_model("smollm2-135m").path
     cache_repo(cache, "org/tiny-gguf", {"smollm2.Q8_0.gguf": gguf, "q4/smollm2.gguf": gguf})
+    cache_repo(cache, "org/tiny-tokenizer", {n: f for n, f in files.items() if n not in WEIGHTS_AND_CONFIG})
     return cache
 
 
@@ -159,6 +162,31 @@ def test_a_checkpoint_without_tokenizer_files(checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"no tokenizer \(dummy weights, or skip_tokenizer_init=True\): pass "
                                          r"prompts as token ids"):
         llm.generate("The capital of France is", greedy)
+
+
+def test_a_tokenizer_from_elsewhere(offline, checkpoint, tmp_path):
+    """``tokenizer=`` (vLLM's ``--tokenizer``): a directory of weights alone loads with its tokenizer's
+    files from another directory, encoding and generating as the whole checkpoint does; a Hub repo of
+    tokenizer files alone (no weights: not a model) resolves to its snapshot."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.models.weights.source import resolve_tokenizer
+    from jaxinfer.tokenizer import load_tokenizer
+
+    weights, tokenizer = tmp_path / "weights", tmp_path / "tokenizer"
+    weights.mkdir()
+    tokenizer.mkdir()
+    for name in os.listdir(checkpoint):
+        shutil.copyfile(checkpoint / name, (weights if name in WEIGHTS_AND_CONFIG else tokenizer) / name)
+    text = "The capital of France is"
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    whole = LLM(str(checkpoint), **OPTS)
+    split = LLM(str(weights), tokenizer=str(tokenizer), **OPTS)
+    assert split.tokenizer.encode(text) == whole.tokenizer.encode(text)
+    assert split.generate(text, greedy)[0].outputs[0].text == whole.generate(text, greedy)[0].outputs[0].text
+    assert resolve_tokenizer("org/tiny-tokenizer") == ModelSource("hf", snapshot(offline, "org/tiny-tokenizer"))
+    assert load_tokenizer(resolve_tokenizer("org/tiny-tokenizer")).encode(text) == whole.tokenizer.encode(text)
+    with pytest.raises(ValueError, match=r"without its \*\.safetensors weights"):
+        resolve_model("org/tiny-tokenizer")
 
 
 def token_ids(out) -> list[int]:

@@ -70,6 +70,7 @@ class EngineConfig:
     download_dir: str | None = None
     gguf_file: str | None = None
     skip_tokenizer_init: bool = False
+    tokenizer: str | None = None
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
@@ -79,7 +80,7 @@ class EngineConfig:
                      "data_parallel"):
             _positive(name, getattr(self, name))
         _check_speculative(self)
-        for name in ("revision", "download_dir", "gguf_file"):
+        for name in ("revision", "download_dir", "gguf_file", "tokenizer"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
@@ -217,6 +218,8 @@ OPTIONS = {
     "download_dir": Option("Cache directory Hub models are fetched into and found in (default $HF_HUB_CACHE, "
                            "$HF_HOME/hub, ~/.cache/huggingface/hub)."),
     "gguf_file": Option("The one .gguf file of a Hub repo or local directory to load (as org/name:file.gguf)."),
+    "tokenizer": Option("The tokenizer, where not the model's own: a directory of Hugging Face tokenizer files or "
+                        "a Hub id (only its tokenizer files are fetched), or a .gguf file."),
     "skip_tokenizer_init": Option("Load no tokenizer (a checkpoint without tokenizer files): prompts must be token "
                                   "ids, and outputs have token ids but no text."),
 }

@@ -31,7 +31,7 @@ from jaxinfer.models.spec import cpu_matmul_layout, num_params
 from jaxinfer.models.weights import (ModelSource, check_has_weights, load_config, load_model, resolve_model,
                                      saved_quantization)
 from jaxinfer.paged.kv_cache import KVCache
-from jaxinfer.tokenizer import check_has_tokenizer, load_tokenizer
+from jaxinfer.tokenizer import check_has_tokenizer, load_tokenizer, tokenizer_source
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ def build_engine(model: str, config: EngineConfig, replica: int = 0) -> LLMEngin
     # Resolved once (a Hub id is fetched here), so the config, weights and tokenizer come from one snapshot.
     source = resolve_model(model, **config.model_location())
     check_has_weights(source, config.load_format)  # before any work: a preset names only shapes
-    if not config.skip_tokenizer_init:
-        check_has_tokenizer(source)
+    tokenizer = tokenizer_source(source, config)
+    if tokenizer is not None:
+        check_has_tokenizer(tokenizer)
     facts = model_facts(model, source)
     mesh = sharding.replica_mesh(facts.config, config.tensor_parallel, config.data_parallel, replica)
     devices = jax.devices()[:1] if mesh is None else mesh.local_devices
@@ -64,11 +65,11 @@ def build_engine(model: str, config: EngineConfig, replica: int = 0) -> LLMEngin
         check_has_weights(draft_source, config.load_format)
         draft = model_facts(config.speculative_model, draft_source)
     resolved = resolve(config, facts, DeviceFacts.gather(devices), draft)
-    return _build(resolved, source, config, mesh, devices, draft_source)
+    return _build(resolved, source, tokenizer, config, mesh, devices, draft_source)
 
 
-def _build(resolved: ResolvedConfig, source: ModelSource, config: EngineConfig, mesh, devices,
-           draft_source: ModelSource | None = None) -> LLMEngine:
+def _build(resolved: ResolvedConfig, source: ModelSource, tokenizer_from: ModelSource | None, config: EngineConfig,
+           mesh, devices, draft_source: ModelSource | None = None) -> LLMEngine:
     _use_compilation_cache(resolved.compilation_cache_dir)
     backend = resolved.backend
     sources = backend.native_sources(resolved.attention_backend, resolved.quantization != "none", mesh is not None)
@@ -82,7 +83,7 @@ def _build(resolved: ResolvedConfig, source: ModelSource, config: EngineConfig, 
     log.info("loaded %s (%s, quantization %s, %.1fM params, %.1f MB) in %.1fs", resolved.model, resolved.dtype,
              resolved.quantization, num_params(mc) / 1e6, sum(x.nbytes for x in jax.tree.leaves(weights)) / 1e6,
              time.perf_counter() - t0)
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source)
+    tokenizer = None if tokenizer_from is None else load_tokenizer(tokenizer_from)
     mc = mc.for_context(resolved.max_model_len)
     multi = jax.process_count() > 1
     resolved = size_kv_pool(resolved, mc, DeviceFacts.gather(devices), config.kv_cache_memory_fraction,
@@ -119,7 +120,8 @@ def _build(resolved: ResolvedConfig, source: ModelSource, config: EngineConfig, 
         if spec.method == "ngram":
             engine.proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
         else:
-            draft = _build(spec.draft, draft_source, config, None, jax.devices()[:1])
+            draft = _build(spec.draft, draft_source, None if config.skip_tokenizer_init else draft_source, config,
+                           None, jax.devices()[:1])
             check_draft(engine, draft)
             engine.proposer = DraftProposer(draft)
     log.info("KV cache: %d pages x %d tokens (%.2f GiB), buckets tokens=%s seqs=%s pages=%s", resolved.num_pages,

@@ -238,15 +238,19 @@ def init_distributed(args: argparse.Namespace) -> bool:
 
 
 def fetch_model(prog: str, model: str, config: EngineConfig) -> None:
-    """Resolve ``model`` as the engine will, before anything else loads: a Hub id is fetched into the
-    Hugging Face cache now (with its progress bars), so the engine finds it there; a model that cannot
-    be loaded exits with the one line that says why."""
+    """Resolve ``model`` (and ``--tokenizer``) as the engine will, before anything else loads: a Hub id
+    is fetched into the Hugging Face cache now (with its progress bars), so the engine finds it there;
+    a model that cannot be loaded exits with the one line that says why."""
     from jaxinfer.models.weights import check_has_weights, resolve_model
+    from jaxinfer.tokenizer import check_has_tokenizer, tokenizer_source
 
     try:
         source = resolve_model(model, revision=config.revision, download_dir=config.download_dir,
                                gguf_file=config.gguf_file)
         check_has_weights(source, config.load_format)
+        tokenizer = tokenizer_source(source, config)
+        if tokenizer is not None:
+            check_has_tokenizer(tokenizer)
     except ValueError as e:
         sys.exit(f"{prog}: {e}")
 

@@ -28,12 +28,11 @@ from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.outputs import EngineOutput
 from jaxinfer.batching.structured import compiler_for
-from jaxinfer.models.weights import resolve_model
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import engine_core
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.protocol import APIError
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.tokenizer import load_tokenizer, tokenizer_source
 
 log = logging.getLogger(__name__)
 
@@ -355,8 +354,8 @@ class AsyncEngine:
         cause = None  # why serving ends: "" when the front end stopped it, else the one line the log says
         try:
             # While the core warms up (a Hub id: from the cache `jaxinfer serve` fetched it into first).
-            self.tokenizer = None if self._config.skip_tokenizer_init else \
-                load_tokenizer(resolve_model(self._model, **self._config.model_location()))
+            source = tokenizer_source(self._model, self._config)
+            self.tokenizer = None if source is None else load_tokenizer(source)
             if self.tokenizer is not None:
                 # Built now rather than by the first constrained request, whose preparation would hold
                 # the GIL for its ~0.3 s of Python (seconds on a busy CPU) and stall the event loop.

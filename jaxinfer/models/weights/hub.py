@@ -32,10 +32,13 @@ import re
 _PART = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9_])?"
 _HUB_ID = re.compile(rf"({_PART}/{_PART})(?::(.+))?")
 
+# The top-level files of a Hugging Face tokenizer (transformers reads the tokenizer's class in
+# config.json where tokenizer_config.json does not name it).
+TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+                   "chat_template.jinja", "chat_template.json")
 # The top-level files of a Hugging Face checkpoint the engine reads (config, weights, tokenizer).
-HF_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-            "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-            "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
+HF_FILES = (*TOKENIZER_FILES, "generation_config.json", "model.safetensors.index.json")
 _INDEX = "model.safetensors.index.json"
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
@@ -72,10 +75,11 @@ def offline() -> bool:
 
 
 def download(model: str, *, revision: str | None = None, download_dir: str | None = None,
-             gguf_file: str | None = None) -> str:
+             gguf_file: str | None = None, tokenizer_only: bool = False) -> str:
     """The local copy of Hub id ``model`` at ``revision``, fetched into the cache unless there already
     (or ``HF_HUB_OFFLINE`` is set): the snapshot directory of a Hugging Face checkpoint, or the path of
-    its GGUF file for ``org/name:file.gguf`` or ``gguf_file``."""
+    its GGUF file for ``org/name:file.gguf`` or ``gguf_file``. ``tokenizer_only``: of a checkpoint only
+    its tokenizer's files (``TOKENIZER_FILES``: a tokenizer given apart from the model)."""
     m = _HUB_ID.fullmatch(model)
     if m is None:
         raise ValueError(f"{model!r} is not a Hugging Face Hub id (org/name or org/name:file.gguf)")
@@ -97,7 +101,9 @@ def download(model: str, *, revision: str | None = None, download_dir: str | Non
         def fetch(patterns, rev):
             return snapshot_download(repo_id, revision=rev, cache_dir=cache, local_files_only=local_only,
                                      allow_patterns=list(patterns), ignore_patterns=["*/*"])  # top level only
-        snapshot = fetch(HF_FILES, revision)
+        snapshot = fetch(TOKENIZER_FILES if tokenizer_only else HF_FILES, revision)
+        if tokenizer_only:
+            return snapshot
         # The index names the shards that hold the weights; fetch just those, from the same commit.
         shards = _indexed_shards(os.path.join(snapshot, _INDEX)) or ["*.safetensors"]
         snapshot = fetch(shards, os.path.basename(os.path.normpath(snapshot)))

@@ -100,6 +100,22 @@ def resolve_model(model: str, *, revision: str | None = None, download_dir: str 
                      "jaxinfer convert, or a Hugging Face Hub id (org/name, org/name:file.gguf)")
 
 
+def resolve_tokenizer(tokenizer: str, *, download_dir: str | None = None) -> ModelSource:
+    """Where a tokenizer given apart from the model (vLLM's ``tokenizer``) is read from: a directory of
+    Hugging Face tokenizer files (no weights needed), a Hub id (``org/name``: only its tokenizer files
+    are fetched, as ``resolve_model`` fetches a model's; ``download_dir`` for the cache), or anything
+    else ``resolve_model`` takes (a .gguf file, a ``jaxinfer convert`` directory, the embedded model)."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(f"tokenizer must be a path or a Hugging Face Hub id, got {type(tokenizer).__name__}")
+    tokenizer = os.fspath(tokenizer)
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, CONVERTED_CONFIG)):
+        return ModelSource("hf", path)
+    if not os.path.exists(path) and hub.is_hub_id(tokenizer) and ":" not in tokenizer:
+        return ModelSource("hf", hub.download(tokenizer, download_dir=download_dir, tokenizer_only=True))
+    return resolve_model(tokenizer, download_dir=download_dir)
+
+
 def _directory_kind(path: str) -> str:
     """``"orbax"`` (``jaxinfer convert``) or ``"hf"`` (config.json + *.safetensors) for a model directory."""
     if os.path.isfile(os.path.join(path, CONVERTED_CONFIG)):
