@@ -266,7 +266,7 @@ def cases() -> list[Case]:
         bad("missing-prompt", {"max_tokens": 4}, param="prompt", words="required"),
         bad("empty-messages", {"messages": []}, path=CH, param="messages"),
         bad("logit-bias-past-vocabulary", {**hi, "logit_bias": {"999999": 5}}, param="logit_bias"),
-        bad("unsupported-echo", {**hi, "echo": True}, param="echo"),
+        bad("unsupported-suffix", {**hi, "suffix": "and so on"}, param="suffix"),
         bad("unsupported-best-of", {**hi, "n": 2, "best_of": 2}, param="best_of"),
         bad("content-type-text", None, status=415, raw=json.dumps(hi).encode(), headers={"Content-Type": "text/plain"}),
         bad("content-type-form", None, status=415, raw=b"prompt=hi",
