@@ -32,7 +32,8 @@ def greedy(n=48, **kw):
 
 def test_json_schemas_every_output_validates(llm):
     assert len(SCHEMAS) >= 15
-    cases = [(c, f"JSON describing {t}:") for c in SCHEMAS for t in ("a customer", "a city", "a recipe")]
+    # two prompts per schema: 30 requests, one wave of the engine's 32 sequences
+    cases = [(c, f"JSON describing {t}:") for c in SCHEMAS for t in ("a customer", "a recipe")]
     outs = [o.outputs[0] for o in llm.generate([p for _, p in cases],
                                                [greedy(192, structured=StructuredOutputs(json=c["schema"]))
                                                 for c, _ in cases])]
@@ -41,7 +42,7 @@ def test_json_schemas_every_output_validates(llm):
         assert out.finish_reason == "stop", (case["name"], prompt, out.text)
         jsonschema.validate(json.loads(out.text), case["schema"], format_checker=checker)
     # Different prompts take different paths through each schema, not one memorized answer.
-    assert len({o.text for o in outs}) > len(SCHEMAS) * 2
+    assert len({o.text for o in outs}) > len(SCHEMAS) * 1.5
 
 
 def _arithmetic(text: str) -> bool:
