@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -13,11 +14,13 @@ from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.factory import create_engine
 from jaxinfer.batching.outputs import EngineOutput
-from jaxinfer.batching.structured import compile_constraint
+from jaxinfer.batching.structured import compile_constraint, constraint_relaxations, output_warnings
 from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list, check_logit_bias, choices
 from jaxinfer.tokenizer import apply_chat_template
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 PromptInput = Prompt | dict  # and vLLM's {"prompt": text} / {"prompt_token_ids": ids}
@@ -91,8 +94,16 @@ class LLM:
             for rid in owner:
                 if rid not in done:
                     self.engine.abort(rid)
-        return [RequestOutput.gather(rid, _text(prompt), [done[r] for r, *_ in group], lps)
-                for prompt, (rid, group), lps in zip(prompts, groups, scored)]
+        results = [RequestOutput.gather(rid, _text(prompt), [done[r] for r, *_ in group], lps)
+                   for prompt, (rid, group), lps in zip(prompts, groups, scored)]
+        for result, sp in zip(results, params):
+            if sp.structured is not None and (sp.structured.json is not None or sp.structured.json_object):
+                relaxed = constraint_relaxations(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
+                for c in result.outputs:
+                    c.warnings = output_warnings(sp.structured, c.text, c.finish_reason, relaxed)
+                    if c.warnings:
+                        logger.warning("structured output %s: %s", result.request_id, "; ".join(c.warnings))
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

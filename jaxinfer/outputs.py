@@ -20,7 +20,9 @@ class CompletionOutput:
     sampled token's included) and ``cumulative_logprob`` (the sampled tokens' sum) are set only where
     ``SamplingParams.logprobs`` asked for them. ``finish_reason``: ``"stop"`` (end of sequence, a stop
     token or string), ``"length"`` (``max_tokens`` or the model's length), ``"abort"`` or ``"error"``
-    (``error`` says why; only this completion failed)."""
+    (``error`` says why; only this completion failed). ``warnings``: under a JSON schema, what the
+    caller should know of the output (the schema's relaxed keywords and any violation of them, an
+    output cut off by ``max_tokens``, a repeated key; ``batching.structured``'s policy)."""
 
     index: int
     text: str
@@ -29,6 +31,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     error: RequestError | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -332,7 +332,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "not": {}}}}}, 400, "response_format", "not"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format", "uniqueItems"),
+        "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format",
+     "uniqueItems"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x"}}}, 400, "response_format", "schema"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "json"),
@@ -1052,3 +1053,21 @@ def test_every_openai_and_vllm_request_field_is_served_or_refused():
         with pytest.raises(protocol.APIError) as e:
             protocol.parse(protocol.CompletionRequest, body)
         assert e.value.status == 400 and e.value.param == field and "not supported" in e.value.message
+
+
+def test_relaxed_schema_warns_in_body_and_header(server):
+    """A schema keyword the grammar cannot enforce (uniqueItems) is relaxed, not refused: the response
+    says so in its ``warnings`` and the ``X-Structured-Output-Warnings`` header; output compact."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True,
+              "maxItems": 4}
+    r = post(server.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 32, "temperature": 0,
+                                                  "response_format": {"type": "json_schema", "json_schema": {
+                                                      "name": "x", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "uniqueItems" in body["warnings"][0]
+    assert json.loads(r.headers["X-Structured-Output-Warnings"]) == body["warnings"]
+    text = body["choices"][0]["message"]["content"]
+    assert " " not in text
+    doc = json.loads(text)
+    assert (len(set(doc)) < len(doc)) == any("violates" in w for w in body["warnings"]), body

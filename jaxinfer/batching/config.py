@@ -24,6 +24,7 @@ _CHOICES = {
     "preemption_mode": ("recompute", "swap"),
     "attention_backend": ATTENTION_BACKENDS,
     "layer_loop": ("auto", "scan", "unroll", "indexed"),
+    "structured_outputs_whitespace": ("compact", "default", "flexible"),  # ``batching.structured``
 }
 
 
@@ -38,6 +39,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2.0
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    structured_outputs_whitespace: str = "compact"
     prefill_chunk_size: int | None = None
     max_model_len: int | None = None
     dtype: str = "auto"
@@ -173,6 +175,10 @@ OPTIONS = {
                              "tensor parallelism)."),
     "seed": Option("Seed of requests that give none (each draws its own from it), and of dummy weights."),
     "page_size": Option("Tokens per KV cache page.", "block_size"),
+    "structured_outputs_whitespace": Option(
+        "Whitespace of JSON generated under a schema: compact (no whitespace: ',' and ':'), default (', ' and "
+        "': ', as json.dumps writes it) or flexible (any whitespace: the model's own style, which may run to "
+        "max_tokens in newlines)."),
     "num_pages": Option("KV pool size in pages (default: kv_cache_memory_fraction of accelerator memory; on CPU "
                         "max_num_seqs full-length sequences, at most cpu_kv_cache_gib).", "num_gpu_blocks_override"),
     "kv_cache_memory_fraction": Option("Fraction of accelerator memory for the weights plus the KV cache.",

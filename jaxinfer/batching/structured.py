@@ -34,13 +34,54 @@ bitmask from a background thread, without the GIL, while the main thread turns s
 outputs (detokenizing, stop strings); the sampling goes last, its bitmask written in place into the
 step's reused host transfer buffer (``ModelRunner.run_forward``). A step without constrained
 sequences runs the fused step it always did and sends no bitmask.
+
+JSON schemas: what is enforced, relaxed or refused. A schema is compiled as given first; what
+llguidance enforces that way the output obeys. A schema that needs a keyword llguidance cannot
+enforce is compiled again in its lenient mode, which relaxes that keyword; the relaxation is sound
+(every valid document is still allowed) and the client is told (``relaxations``): a log line, the
+server's ``X-Structured-Output-Warnings`` header and ``warnings`` list, ``CompletionOutput.warnings``
+in the Python API. A relaxed output is then validated against the full schema (``output_warnings``,
+with ``jsonschema``), so a violation is reported, never passed off as valid. Under OpenAI's
+``strict: true`` a relaxation is refused instead: a 400 naming the keyword.
+
+=========================================  =================================================
+keyword                                    policy
+=========================================  =================================================
+``oneOf`` with disjoint branches (a         enforced: llguidance proves the branches exclusive
+``const``/``enum`` tag property, distinct   and compiles it as ``anyOf``
+types)
+``oneOf`` with overlapping branches         relaxed to ``anyOf``; checked after generation
+``uniqueItems``                             relaxed (repeats allowed while generating); checked
+                                            after generation
+``if``/``then``/``else``,                   relaxed (ignored while generating); checked after
+``dependentRequired``/``dependentSchemas``, generation
+``not``, ``contains``, other keywords
+llguidance does not implement
+``format`` llguidance does not know         relaxed to a plain string; not checked after
+                                            generation (``jsonschema`` checks no formats)
+``properties`` without                      closed: only the listed properties are generated
+``additionalProperties``                    (a sound narrowing; keys listed in ``properties``
+                                            come once each, in order, so no key repeats)
+``additionalProperties``/``patternProperties`` enforced; llguidance cannot forbid a repeated
+keys                                        key among them: a repeat is reported after
+                                            generation
+a document cut off by ``max_tokens``        ``finish_reason`` ``length`` and a warning saying
+                                            the JSON is incomplete and where it breaks off
+=========================================  =================================================
+
+Whitespace (``EngineConfig.structured_outputs_whitespace``): ``compact`` (the default) allows none,
+``default`` writes ``", "`` and ``": "`` as ``json.dumps`` does, ``flexible`` allows any (the model's
+own style; greedy SmolLM2 emitted newlines until ``max_tokens`` in 8 of 105 requests). A schema's
+own ``"x-guidance"`` options override these.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import json
+import logging
 import threading
 import time
 
@@ -49,6 +90,7 @@ import numpy as np
 from jaxinfer.sampling_params import StructuredOutputs
 
 _CACHE_SIZE = 512  # distinct constraints kept compiled per tokenizer
+logger = logging.getLogger(__name__)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -73,6 +115,7 @@ class ConstraintCompiler:
         eos = [t for t in eos_token_ids or () if t < len(tokenizer)] or tokenizer.eos_token_id
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._relaxed: dict[str, list[str]] = {}  # key -> the relaxations its schema was compiled with
         self._lock = threading.Lock()  # the server may compile from its request threads
         self.hits = self.misses = 0
         self.compile_seconds: list[float] = []
@@ -84,7 +127,7 @@ class ConstraintCompiler:
 
         if not isinstance(structured, StructuredOutputs):
             raise TypeError(f"structured must be a StructuredOutputs, got {type(structured).__name__}")
-        key = structured.key
+        key = _WHITESPACE + structured.key
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
@@ -93,13 +136,17 @@ class ConstraintCompiler:
                 return template
         t0 = time.perf_counter()
         kind = structured.kinds[0]
-        try:
-            grammar = _grammar(llguidance, kind, getattr(structured, kind))
-        except ValueError as e:
-            raise ValueError(f"invalid structured {kind}: {e}") from None
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         what = {"json": "JSON schema (invalid or unsupported)", "json_object": "JSON object constraint"}.get(
             kind, kind)
+        relaxed = []
+        try:
+            if kind == "json":
+                grammar, relaxed = _json_grammar(llguidance, getattr(structured, kind))
+            else:
+                grammar = _grammar(llguidance, kind, getattr(structured, kind))
+        except ValueError as e:
+            raise ValueError(f"invalid structured {what}: {e}") from None
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"invalid structured {what}: {_message(template.get_error())}")
         # Some constraints compile but fail at their first token mask: a schema that admits no document
@@ -112,9 +159,19 @@ class ConstraintCompiler:
             self.misses += 1
             self.compile_seconds.append(time.perf_counter() - t0)
             self._cache[key] = template
+            self._relaxed[key] = relaxed
             if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+                self._relaxed.pop(self._cache.popitem(last=False)[0], None)
+        if relaxed:
+            logger.info("structured json schema relaxed: %s", "; ".join(relaxed))
         return template
+
+    def relaxations(self, structured: StructuredOutputs) -> list[str]:
+        """What of ``structured``'s schema the grammar does not enforce (compiling it if need be): one
+        sentence each, naming the keyword; empty where it is enforced whole."""
+        self.compile(structured)
+        with self._lock:
+            return list(self._relaxed.get(_WHITESPACE + structured.key, ()))
 
     def matcher(self, structured: StructuredOutputs):
         """A fresh matcher for one sequence."""
@@ -126,18 +183,152 @@ def _message(error: str) -> str:
     return " ".join(error.split("<state>", 1)[0].split())[:500]
 
 
-# JSON as ``json.dumps`` writes it: llguidance's default, any whitespace between tokens, let greedy
-# SmolLM2 emit newlines until max_tokens in 8 of 105 schema-constrained requests. A schema's own
-# "x-guidance" options override these.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The whitespace of generated JSON (``structured_outputs_whitespace``), llguidance's options for it.
+WHITESPACE_OPTIONS = {
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    "default": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "flexible": {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":"},
+}
+_WHITESPACE = "compact"  # the process's choice (one engine per process); part of each cache key
+
+
+def set_whitespace(mode: str) -> None:
+    """The whitespace of JSON generated under schemas from now on (the engine sets it from its config)."""
+    global _WHITESPACE
+    if mode not in WHITESPACE_OPTIONS:
+        raise ValueError(f"structured outputs whitespace must be one of {tuple(WHITESPACE_OPTIONS)}, got {mode!r}")
+    _WHITESPACE = mode
+
+
+def _json_grammar(llguidance, schema) -> tuple[str, list[str]]:
+    """The grammar of a JSON schema and the relaxations it needed (the module's policy): as given,
+    with objects that list their properties closed; else with those left open; else lenient."""
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    options = WHITESPACE_OPTIONS[_WHITESPACE]
+    closed = close_objects(schema)
+    error = None
+    for overrides in (None, {"lenient": True}):
+        for candidate in ([closed, schema] if closed is not schema else [schema]):
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(candidate), defaults=options,
+                                                                    overrides=overrides)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+            if not failed:
+                return grammar, [r for m in messages for r in _relaxation(m)]
+            error = error or "; ".join(messages)
+    raise ValueError(_message(error))
+
+
+def _relaxation(message: str) -> list[str]:
+    """llguidance's warning of a lenient compile as the client reads it, one sentence a keyword."""
+    if message.startswith("Unimplemented keys:"):
+        try:
+            keys = json.loads(message.split(":", 1)[1])
+        except ValueError:
+            keys = [message.split(":", 1)[1].strip()]
+        return [f"schema keyword '{k}' is not enforced while generating: the output is validated against it "
+                "afterwards" for k in keys]
+    if message.startswith("oneOf not fully supported"):
+        return ["schema keyword 'oneOf' (branches not provably exclusive) is enforced as anyOf: the output is "
+                "validated against oneOf afterwards"]
+    if message.startswith("Unknown format:"):
+        return [f"schema keyword 'format' ({message.split(':', 1)[1].strip()}) is not enforced: any string is "
+                "allowed"]
+    return ["schema relaxed: " + _message(message)]
+
+
+# Keywords whose values are data, not schemas; keywords whose values map names to schemas.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "required", "x-guidance"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def close_objects(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists ``properties``,
+    says nothing of other properties and requires only listed ones: llguidance generates listed
+    properties once each, in order, whereas extra keys may repeat, which let greedy SmolLM2 write
+    ``{"type": "object", "type": "object", ...}`` until ``max_tokens``. Sound: every document generated
+    is valid. Schemas using ``allOf`` (their merges read each part's additional properties) are left
+    as they are; so is the whole schema where nothing changes (the same object is returned)."""
+    if not isinstance(schema, dict) or "allOf" in json.dumps(schema):
+        return schema
+    changed = False
+
+    def walk(node):
+        nonlocal changed
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if k in _DATA_KEYWORDS:
+                out[k] = v
+            elif k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}
+            else:
+                out[k] = walk(v)
+        props = node.get("properties")
+        if (isinstance(props, dict) and props and not {"additionalProperties", "patternProperties",
+                                                       "unevaluatedProperties", "$ref", "anyOf", "oneOf"} & node.keys()
+                and all(r in props for r in node.get("required", ()) if isinstance(r, str))):
+            out["additionalProperties"] = False
+            changed = True
+        return out
+
+    closed = walk(schema)
+    return closed if changed else schema
+
+
+def output_warnings(structured: StructuredOutputs | None, text: str, finish_reason: str | None,
+                    relaxed: list[str] = ()) -> list[str]:
+    """What the client should know of a finished JSON output beyond its text: that it is incomplete
+    (cut off by ``max_tokens``: where it breaks off), keys repeated in one of its objects, and where
+    the schema was ``relaxed`` (``ConstraintCompiler.relaxations``), the relaxations themselves and
+    the output's violations of the full schema. Empty for other constraints and clean outputs."""
+    if structured is None or not (structured.json is not None or structured.json_object):
+        return []
+    warnings = list(relaxed)
+    repeated = []
+
+    def pairs(items):
+        keys = [k for k, _ in items]
+        repeated.extend(sorted({k for k in keys if keys.count(k) > 1}))
+        return dict(items)
+
+    try:
+        doc = json.loads(text, object_pairs_hook=pairs)
+    except ValueError as e:
+        why = "max_tokens ran out" if finish_reason == "length" else f"generation ended ({finish_reason})"
+        warnings.append(f"the output is incomplete: {why} before the JSON document closed; it breaks off at "
+                        f"character {len(text)} ({getattr(e, 'msg', e)} at character {getattr(e, 'pos', '?')})")
+        return warnings
+    if repeated:
+        warnings.append("the output repeats keys in one object (the schema's additional properties cannot "
+                        "forbid it while generating): " + ", ".join(repr(k) for k in repeated[:5]))
+    if relaxed and structured.json is not None:
+        warnings += _violations(structured.json, doc)
+    return warnings
+
+
+def _violations(schema, doc, limit: int = 5) -> list[str]:
+    """The output's violations of its full schema, ``limit`` at most (``jsonschema``; none without it)."""
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a test dependency; the relaxation warnings still stand
+        return ["the output was not validated against the relaxed keywords (jsonschema is not installed)"]
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    try:
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        errors = list(itertools.islice(validator.iter_errors(doc), limit))
+    except Exception as e:  # a schema jsonschema cannot read (an unresolvable $ref, ...)
+        return [f"the output could not be validated against the full schema: {_message(str(e))}"]
+    return [f"the output violates the schema at /{'/'.join(map(str, err.absolute_path))}: {err.validator} "
+            f"({_message(err.message)[:200]})" for err in errors]
 
 
 def _grammar(llguidance, kind: str, value) -> str:
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(value if isinstance(value, str) else json.dumps(value),
-                                                             defaults=_JSON_OPTIONS)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                             defaults=WHITESPACE_OPTIONS[_WHITESPACE])
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -158,6 +349,12 @@ def compiler_for(tokenizer, vocab_size: int | None = None, eos_token_ids=None) -
         if held is None:  # holding the tokenizer keeps its id from being reused by another
             held = _compilers[key] = (tokenizer, ConstraintCompiler(tokenizer, vocab_size, eos_token_ids))
         return held[1]
+
+
+def constraint_relaxations(tokenizer, structured: StructuredOutputs, vocab_size: int | None = None,
+                           eos_token_ids=None) -> list[str]:
+    """What of ``structured`` its compiled constraint does not enforce (``ConstraintCompiler.relaxations``)."""
+    return compiler_for(tokenizer, vocab_size, eos_token_ids).relaxations(structured)
 
 
 def compile_constraint(tokenizer, structured: StructuredOutputs, vocab_size: int | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxinfer.batching.structured import compile_constraint
+from jaxinfer.batching.structured import compile_constraint, constraint_relaxations
 from jaxinfer.sampling_params import StructuredOutputs
 from jaxinfer.server.protocol import APIError
 
@@ -205,4 +205,20 @@ def request_constraint(req, tokenizer, plan: ToolPlan | None = None) -> Structur
         compile_constraint(tokenizer, structured)
     except ValueError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_constraint") from None
+    relaxed = constraint_relaxations(tokenizer, structured) if _strict(req, param, plan) else []
+    if relaxed:  # strict: true asks that the output obey the schema, so nothing may be relaxed
+        raise APIError(400, f"{param}: strict: true, but the grammar cannot enforce the whole schema: "
+                            + "; ".join(relaxed) + " (without strict the schema is relaxed and the output "
+                            "checked afterwards)", param=param, code="invalid_constraint")
     return structured
+
+
+def _strict(req, param: str, plan: ToolPlan | None) -> bool:
+    """Whether the request's constraint came with OpenAI's ``strict: true``."""
+    if param == "response_format":
+        fmt = req.response_format
+        return fmt.type == "json_schema" and bool(fmt.json_schema.strict)
+    if param in ("tools", "tool_choice") and plan is not None:
+        fns = [t["function"] for t in plan.tools if t.get("type") == "function"]
+        return bool(fns) and all(fn.get("strict") for fn in fns)
+    return False

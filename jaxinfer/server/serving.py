@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.batching.outputs import EngineOutput, PromptLogprobs
+from jaxinfer.batching.structured import constraint_relaxations, output_warnings
 from jaxinfer.sampling_params import SamplingParams, check_logit_bias, choices
 from jaxinfer.server import responses, tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
@@ -38,6 +40,11 @@ from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, ChatMessa
                                       chat_text, check_supported, sampling_params, shown)
 from jaxinfer.tokenizer import apply_chat_template
 
+
+logger = logging.getLogger(__name__)
+# The response header listing (as a JSON array of strings) what a JSON-constrained response's client
+# should know: relaxed schema keywords, an output cut off by max_tokens (batching/structured.py).
+WARNINGS_HEADER = "X-Structured-Output-Warnings"
 
 @dataclasses.dataclass
 class _Job:
@@ -334,9 +341,30 @@ class OpenAIServing:
         finally:
             release()
         choices = [render.choice(i, finals[i]) for i in range(len(finals))]
+        warnings = self._structured_warnings(job, finals)
         return JSONResponse({"id": sub.request_ids[0].rsplit("-", 1)[0], "object": render.object,
                              "created": int(time.time()), "model": self.model_name, "choices": choices,
-                             "usage": _usage(job, finals.values()), **render.response_fields()})
+                             "usage": _usage(job, finals.values()), **render.response_fields(),
+                             **({"warnings": warnings} if warnings else {})},
+                            headers={WARNINGS_HEADER: json.dumps(warnings)} if warnings else None)
+
+    def _structured_warnings(self, job: _Job, finals: dict[int, EngineOutput]) -> list[str]:
+        """What the client should know of its JSON-constrained choices (``structured.output_warnings``:
+        relaxed schema keywords and violations of them, an output cut off by max_tokens, a repeated
+        key), distinct, each naming its choice where there are several; logged too."""
+        structured = job.params[0].structured if job.params else None
+        if structured is None or not (structured.json is not None or structured.json_object):
+            return []
+        relaxed = constraint_relaxations(self.engine.tokenizer, structured)
+        warnings = []
+        for i in range(len(finals)):
+            for w in output_warnings(structured, finals[i].text, finals[i].finish_reason, relaxed):
+                w = f"choice {i}: {w}" if len(finals) > 1 and w not in relaxed else w
+                if w not in warnings:
+                    warnings.append(w)
+        if warnings:
+            logger.warning("structured output: %s", "; ".join(warnings))
+        return warnings
 
     async def _stream(self, sub: Submission, index: dict[str, int], job: _Job, render, request: Request, *,
                       include_usage: bool) -> AsyncIterator[str]:
