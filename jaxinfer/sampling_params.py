@@ -120,6 +120,12 @@ class SamplingParams:
     logits; ``min_tokens`` holds back the end-of-sequence tokens, ``stop_token_ids`` and ``stop``
     strings until that many tokens are generated. ``structured`` constrains the output (JSON schema,
     regex, choice, grammar): see StructuredOutputs.
+    The text is vLLM's: ``skip_special_tokens`` leaves special tokens (``<|im_end|>``...) out of it;
+    ``spaces_between_special_tokens=False``, where they are kept, puts no space the tokenizer's decoder
+    would add between two added tokens in a row. The stop that ended a request is left out of its
+    text unless ``include_stop_str_in_output``: then the text ends with the matched stop string, or
+    with the stop token's text (EOS or one of ``stop_token_ids``, which a special token has only
+    without ``skip_special_tokens``). A stop token is never one of the output's ``token_ids``.
     """
 
     max_tokens: int = 16
@@ -140,6 +146,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
     structured: StructuredOutputs | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         # Normalize list inputs so the dataclass stays hashable and immutable.
@@ -178,6 +187,10 @@ class SamplingParams:
             _check_int("stop_token_ids", t, low=0, high=MAX_TOP_K)
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__} "
+                                f"{_short(getattr(self, name))}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise TypeError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
         if self.structured is not None and self.min_tokens:

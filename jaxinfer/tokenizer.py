@@ -164,10 +164,19 @@ class IncrementalDetokenizer:
     emitted and give the context; the delta is what decoding ``[prefix_offset:]`` adds to it. A
     delta is held back while the text ends in U+FFFD, i.e. a multi-byte character split across
     byte-fallback tokens is not complete yet.
+
+    ``skip_special_tokens`` leaves special tokens out of the text. Where they are kept,
+    ``spaces_between_special_tokens=False`` is vLLM's rule for fast tokenizers: an added token right
+    after another is decoded with what follows it, apart from what precedes it, so a decoder that
+    joins tokens with spaces (WordPiece) puts none between the two; byte-level BPE adds none anyway.
     """
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._added: frozenset[int] = frozenset() if skip_special_tokens or spaces_between_special_tokens else (
+            frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ()))
         # A fast tokenizer that needs no clean-up decodes in Rust directly: transformers' decode
         # wrapper costs ~10x the decode itself, paid twice per token per sequence on the host loop.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -177,9 +186,16 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(0, self.read_offset - _PROMPT_CONTEXT_TOKENS)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._added:  # each run that starts with an added token right after another, decoded apart
+            cuts = [i for i in range(1, len(ids)) if ids[i] in self._added and ids[i - 1] in self._added]
+            if cuts:
+                return "".join(self._decode_run(ids[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)]))
+        return self._decode_run(ids)
+
+    def _decode_run(self, ids: list[int]) -> str:
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=True)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: int | Sequence[int]) -> str:
         """Append one or more ids; return the newly completed text (possibly empty)."""

@@ -114,6 +114,9 @@ def test_type_errors_name_the_parameter():
         SamplingParams(max_tokens="8")
     with pytest.raises(TypeError, match="temperature"):
         SamplingParams(temperature="hot")
+    for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+        with pytest.raises(TypeError, match=f"{name} must be a bool, got int 1"):
+            SamplingParams(**{name: 1})
 
 
 def test_prompt_validation(llm):

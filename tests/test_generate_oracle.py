@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.tokenizer import apply_chat_template
 
 PROMPTS = [
     "The capital of France is",
@@ -77,3 +78,40 @@ def test_min_tokens_holds_back_stop_strings_and_eos(llm):
     held = llm.chat(msgs, SamplingParams(max_tokens=32, temperature=0.0, stop=["aris"], min_tokens=12))[0].outputs[0]
     assert len(held.token_ids) >= 12 and held.token_ids[:len(free.token_ids)] == free.token_ids
     assert held.text.startswith(free.text)
+
+
+def test_special_tokens_and_the_stop_in_the_text_as_vllm_streams_them(llm):
+    """vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``: special tokens are in the text
+    only without the first; the stop that ended the request (EOS, a stop token id, a stop string) is in
+    it only with the second. Every request of one batch, streamed: the deltas add up to the text."""
+    tok, eng = llm.tokenizer, llm.engine
+    chat = apply_chat_template(tok, [{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    greedy = dict(max_tokens=32, temperature=0.0)
+    kept = dict(skip_special_tokens=False, include_stop_str_in_output=True)
+    # past EOS to <|im_start|> (id 1, a stop token id): "...Paris.<|im_end|>\n<|im_end|><|im_start|>" on greedy
+    past_eos = dict(greedy, ignore_eos=True, stop_token_ids=[1])
+    runs = {"default": greedy, "specials": dict(greedy, skip_special_tokens=False), "eos kept": dict(greedy, **kept),
+            "eos skipped": dict(greedy, include_stop_str_in_output=True), "past eos": dict(past_eos, **kept),
+            "past eos, stop left out": dict(past_eos, skip_special_tokens=False),
+            "stop string": dict(greedy, stop=["aris"]), "stop string kept": dict(greedy, stop=["aris"], **kept)}
+    for rid, params in runs.items():
+        eng.add_request(rid, chat, SamplingParams(**params))
+    deltas, final = {rid: [] for rid in runs}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            deltas[out.request_id].append(out.delta_text)
+            final[out.request_id] = out
+    for rid, out in final.items():
+        assert "".join(deltas[rid]) == out.text and out.finished and out.finish_reason == "stop", rid
+    text = {rid: out.text for rid, out in final.items()}
+    assert text["default"] == "The capital of France is Paris." == tok.decode(final["default"].token_ids)
+    assert final["default"].token_ids[-1] != tok.eos_token_id  # EOS ended it and is no output token
+    assert text["specials"] == text["eos skipped"] == text["default"]
+    assert text["eos kept"] == text["default"] + "<|im_end|>"
+    past = final["past eos"].token_ids
+    assert tok.eos_token_id in past and 1 not in past
+    assert text["past eos"] == tok.decode(past + [1], skip_special_tokens=False) and text["past eos"].endswith(
+        "<|im_end|><|im_start|>")
+    assert text["past eos, stop left out"] == tok.decode(past, skip_special_tokens=False)
+    assert text["stop string"] == "The capital of France is P"
+    assert text["stop string kept"] == "The capital of France is Paris"

@@ -212,6 +212,20 @@ def test_vllm_sampling_fields(server, client, smollm2_tokenizer):
     assert held.json()["choices"][0]["text"].startswith(cut.json()["choices"][0]["text"] + " ")
 
 
+def test_special_tokens_and_the_stop_kept_in_the_text(client):
+    """vLLM's ``skip_special_tokens=False`` with ``include_stop_str_in_output``: the reply ends with the EOS
+    that ended it, streamed the same; the default leaves it out."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+              max_tokens=16, temperature=0)
+    kept = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    default = client.chat.completions.create(**kw).choices[0]
+    whole = client.chat.completions.create(**kw, extra_body=kept).choices[0]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **kw, extra_body=kept, stream=True))
+    assert default.finish_reason == whole.finish_reason == "stop" and "<|im_end|>" not in default.message.content
+    assert whole.message.content == streamed == default.message.content + "<|im_end|>"
+
+
 def test_concurrent_streams_match_alone(server, client):
     alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
              for p in PROMPTS}
@@ -315,7 +329,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
      "stream"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
-    ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, 400, "skip_special_tokens", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "skip_special_tokens": "no"}, 400, "skip_special_tokens", "boolean"),
     ("/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "alloy"}}, 400, "audio", "not supported"),
     ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt", "token ids"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "top_p": 5}, 400, "top_p", "top_p"),
@@ -1047,6 +1061,13 @@ def test_every_openai_and_vllm_request_field_is_served_or_refused():
         streamed = {"stream"} if model is not protocol.EmbeddingRequest else set()
         missing = (set(fields) | streamed | set(vllm[model])) - declared(model)
         assert not missing, f"{model.__name__} drops {sorted(missing)}"
+    # vLLM's text options are honoured: any value reaches the request's SamplingParams
+    text_options = {"skip_special_tokens": False, "spaces_between_special_tokens": False,
+                    "include_stop_str_in_output": True}
+    for model, body in ((protocol.CompletionRequest, {"prompt": "hi"}),
+                        (protocol.ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})):
+        params = protocol.sampling_params(protocol.parse(model, json.dumps({**body, **text_options}).encode()), 4, None)
+        assert {name: getattr(params, name) for name in text_options} == text_options
     # a refused field: its default passes, another value is a 400 naming it
     for field, value in [("length_penalty", 2.0), ("suffix", "s"), ("cache_salt", "s")]:
         body = json.dumps({"prompt": "hi", field: value}).encode()

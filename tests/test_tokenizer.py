@@ -46,6 +46,28 @@ def test_invalid_utf8_is_emitted_not_held_forever(smollm2_tokenizer):
     assert "".join(deltas) == tok.decode([lone] * 4 + [a], skip_special_tokens=True)
 
 
+def test_special_tokens_kept_and_spaces_between_them_as_vllm():
+    """``skip_special_tokens=False`` keeps them in the text; ``spaces_between_special_tokens=False`` drops
+    the space a WordPiece decoder puts between two added tokens in a row, and no other (vLLM's rule)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]",
+                                  additional_special_tokens=["[A]", "[B]"], clean_up_tokenization_spaces=False)
+    ids = [tok.convert_tokens_to_ids(t) for t in ("[A]", "[B]", "world", "##s", "[B]", "hello")]
+
+    def streamed(**kw):
+        detok = IncrementalDetokenizer(tok, [1], **kw)
+        return "".join([detok.add(i) for i in ids] + [detok.flush()])
+
+    assert streamed() == " worlds hello"
+    assert streamed(skip_special_tokens=False) == " [A] [B] worlds [B] hello"
+    assert streamed(skip_special_tokens=False, spaces_between_special_tokens=False) == " [A][B] worlds [B] hello"
+    assert streamed(spaces_between_special_tokens=False) == " worlds hello"
+
+
 def test_flush_emits_a_character_cut_off_at_the_end(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = tok.encode("ok 😀", add_special_tokens=False)

@@ -73,7 +73,6 @@ class _Text:
     emitted_tokens: int = 0
     stopped: bool = False  # the text was cut at a stop string: nothing is left to flush
     num_tokens: int = 0  # output tokens the text was made from
-    stops_from: int = 0  # characters of ``text`` made before ``min_tokens`` was reached
 
 
 class OutputProcessor:
@@ -82,8 +81,14 @@ class OutputProcessor:
         self._texts: dict[str, _Text] = {}
 
     def add(self, req: Request) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer is not None else None
-        self._texts[req.request_id] = _Text(detok)
+        self._texts[req.request_id] = _Text(self._detokenizer(req))
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        p = req.params
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                                      spaces_between_special_tokens=p.spaces_between_special_tokens)
 
     def drop(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
@@ -93,14 +98,23 @@ class OutputProcessor:
         stop strings (the text is cut before it)."""
         t = self._texts[req.request_id]
         t.num_tokens += 1
+        searched = len(t.text)  # a stop string found now ends in the text this token adds
         if t.detok is not None:
             t.text += t.detok.add(token)
         stops = req.params.stop
-        if t.num_tokens < req.params.min_tokens:
-            t.stops_from = len(t.text)  # a stop string counts only where it ends past the first min_tokens
-        elif stops and self._find_stop(t, stops):
+        # A stop string counts only where it ends past the first min_tokens.
+        if stops and t.num_tokens >= req.params.min_tokens and self._find_stop(
+                t, stops, searched, req.params.include_stop_str_in_output):
             t.stopped = True
         return t.stopped
+
+    def add_stop_token(self, req: Request, token: int) -> None:
+        """``token`` (EOS, or one of ``stop_token_ids``) ended ``req`` and is none of its output tokens:
+        its text ends the request's text only with ``include_stop_str_in_output`` (vLLM's rule; with
+        ``skip_special_tokens`` a special token has none), and no stop string is looked for in it."""
+        t = self._texts[req.request_id]
+        if req.params.include_stop_str_in_output and t.detok is not None:
+            t.text += t.detok.add(token)
 
     def resync(self, req: Request) -> None:
         """Make ``req``'s text again from its output tokens where a failed step left the two apart (the
@@ -108,8 +122,7 @@ class OutputProcessor:
         t = self._texts.get(req.request_id)
         if t is None or t.num_tokens == len(req.output_token_ids):
             return
-        fresh = _Text(IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer is not None
-                      else None)
+        fresh = _Text(self._detokenizer(req))
         for token in req.output_token_ids:
             fresh.num_tokens += 1
             if fresh.detok is not None:
@@ -126,9 +139,10 @@ class OutputProcessor:
             del self._texts[req.request_id]
             if t.detok is not None and not t.stopped and req.finish_reason != "error":
                 t.text += t.detok.flush()  # a character cut off by the end of generation
-        # Hold back a tail that may still turn out to start a stop string.
+        # Hold back a tail that may still turn out to start a stop string (one kept in the text is cut
+        # after its end, which comes with the token that completes it: nothing before it is held).
         stops = req.params.stop
-        hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
+        hold = 0 if finished or not stops or req.params.include_stop_str_in_output else max(map(len, stops)) - 1
         visible = max(t.emitted, len(t.text) - hold)
         delta, t.emitted = t.text[t.emitted:visible], visible
         new_ids = req.output_token_ids[t.emitted_tokens:]
@@ -139,10 +153,11 @@ class OutputProcessor:
                             req.num_cached_tokens, req.error)
 
     @staticmethod
-    def _find_stop(t: _Text, stops: tuple[str, ...]) -> bool:
-        window = max(len(s) for s in stops) + 16
-        start = max(0, min(t.emitted, len(t.text) - window))
-        hits = [i for i in (t.text.find(s, max(start, t.stops_from - len(s) + 1)) for s in stops) if i >= 0]
+    def _find_stop(t: _Text, stops: tuple[str, ...], searched: int, keep: bool) -> bool:
+        """Cut ``t``'s text at the first stop string ending past its first ``searched`` characters:
+        before it, or with ``keep`` after it (the one that ends first, as a stream of single characters
+        would meet it)."""
+        hits = [(i + len(s) if keep else i) for s in stops if (i := t.text.find(s, max(0, searched - len(s) + 1))) >= 0]
         if hits:
             t.text = t.text[:min(hits)]
         return bool(hits)

@@ -55,9 +55,12 @@ class SchedulerConfig:
 
 class TextStops(Protocol):
     """The output side's part in appending a token (``outputs.OutputProcessor``): it detokenizes and
-    says whether the request's text now contains one of its stop strings."""
+    says whether the request's text now contains one of its stop strings; it is told of the stop token
+    that ended a request, which is not appended."""
 
     def add_token(self, req: Request, token: int) -> bool: ...
+
+    def add_stop_token(self, req: Request, token: int) -> None: ...
 
 
 # A request in this many failed steps in a row (none of its steps read in between) is finished with an
@@ -465,6 +468,7 @@ class Scheduler:
         for j, (token, top) in enumerate(zip(tokens, tops)):
             self.counters["generation_tokens"] += 1
             if (token in self.config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                text.add_stop_token(req, token)
                 return self.finish(req, "stop")
             req.output_token_ids.append(token)
             if top is not None:

@@ -191,10 +191,11 @@ class _Sampling(_Request):
     guided_decoding_backend: Literal["auto", "guidance"] | None = None  # vLLM's; llguidance is the one here
     # vLLM's: the prompt's tokens' logprobs, each with the top k; <= the server's max_logprobs
     prompt_logprobs: Logprobs | None = Field(None, description="not with stream (as vLLM)")
+    # vLLM's text options (SamplingParams has their meaning)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Output options this server does not serve except at their defaults (refused by name otherwise)
-    skip_special_tokens: Literal[True] = True
-    spaces_between_special_tokens: Literal[True] = True
-    include_stop_str_in_output: Literal[False] = False
     use_beam_search: Literal[False] = False
     length_penalty: Literal[1, 1.0] = 1.0
     allowed_token_ids: None = None
@@ -545,8 +546,7 @@ def parse(model: type[BaseModel], body: bytes):
 # Options this server does not support: refused by name rather than ignored (the schema admits only
 # the values that mean "off").
 _UNSUPPORTED = frozenset({
-    "suffix", "prompt_embeds", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "use_beam_search", "length_penalty",
+    "suffix", "prompt_embeds", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids",
     "return_token_ids", "add_special_tokens", "structural_tag", "guided_whitespace_pattern", "cache_salt",
     "kv_transfer_params", "vllm_xargs", "modalities", "audio", "prediction", "functions", "function_call",
@@ -574,7 +574,10 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None, *,
                 min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos, logprobs=logprobs, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                logit_bias=req.logit_bias, min_tokens=req.min_tokens, n=req.n, structured=structured)
+                logit_bias=req.logit_bias, min_tokens=req.min_tokens, n=req.n, structured=structured,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
     defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
                     repetition_penalty=1.0, min_tokens=0)
     opts.update({k: v for k, v in defaults.items() if opts[k] is None})
