@@ -344,7 +344,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x" * 70000}, 413, None, "limit"),
     # constraints and tools
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "not": {}}}}}, 400, "response_format", "not"),
+        "name": "x", "strict": True, "schema": {"type": "object", "not": {}}}}}, 400, "response_format", "'not'"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format",
      "uniqueItems"),
