@@ -23,6 +23,18 @@ if _WORKERS > 1:
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread_per_worker():
+    """With a worker per core, each worker's torch (the oracles) gets one thread: two OpenMP threads
+    per worker spin against the other worker's, and SmolLM2's transformers decode step took 310 ms
+    (its one-query attention 5.7 ms a layer) against 50 ms on one thread."""
+    if _WORKERS > 1:
+        import torch
+
+        torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
     """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, served with
