@@ -1092,3 +1092,11 @@ def test_relaxed_schema_warns_in_body_and_header(server):
     assert " " not in text
     doc = json.loads(text)
     assert (len(set(doc)) < len(doc)) == any("violates" in w for w in body["warnings"]), body
+    # streamed, the same warnings come on the last chunk, and only there
+    r = post(server.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 32, "temperature": 0, "stream": True,
+                                                  "response_format": {"type": "json_schema", "json_schema": {
+                                                      "name": "x", "schema": schema}}})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["warnings"] == body["warnings"], chunks[-1]
+    assert not any("warnings" in c for c in chunks[:-1])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text

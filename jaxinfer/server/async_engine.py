@@ -27,7 +27,7 @@ from typing import Callable
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.outputs import EngineOutput
-from jaxinfer.batching.structured import compiler_for
+from jaxinfer.batching.structured import compiler_for, set_whitespace
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import engine_core
 from jaxinfer.server.metrics import Metrics
@@ -119,6 +119,9 @@ class AsyncEngine:
                  on_fatal: Callable[[BaseException], None] | None = None,
                  distributed: tuple[str, int, int] | None = None, warmup_structured: bool = False):
         self._model, self._config, self._distributed = model, config, distributed
+        # This process compiles constraints too (to answer a bad one with a 400, and to name relaxations):
+        # with the engine's whitespace, or its grammars and cache keys would differ from the core's.
+        set_whitespace(config.structured_outputs_whitespace)
         self._warmup_structured = warmup_structured  # also compile constrained steps before /health is 200
         self._on_fatal = on_fatal
         self.max_waiting = max_waiting

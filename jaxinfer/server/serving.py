@@ -371,14 +371,17 @@ class OpenAIServing:
         rid = sub.request_ids[0].rsplit("-", 1)[0]
         created = int(time.time())
 
-        def event(choices: list[dict], usage=None) -> str:
+        def event(choices: list[dict], usage=None, warnings=None) -> str:
             chunk = {"id": rid, "object": render.chunk_object, "created": created, "model": self.model_name,
                      "choices": choices}
             if include_usage:
                 chunk["usage"] = usage
+            if warnings:  # the structured-output warnings of the non-streamed body, on the last chunk
+                chunk["warnings"] = warnings
             return f"data: {json.dumps(chunk)}\n\n"
 
-        finals: list[EngineOutput] = []
+        finals: dict[int, EngineOutput] = {}
+        warnings: list[str] = []
         try:
             for i in range(len(sub.request_ids)):
                 first = render.first_chunk(i)
@@ -386,13 +389,19 @@ class OpenAIServing:
                     yield event([first])
             async with contextlib.aclosing(_outputs(sub, request)) as outputs:
                 async for out in outputs:
+                    last = False
                     if out.finished:
-                        finals.append(out)
+                        finals[index[out.request_id]] = out
+                        if len(finals) == len(sub.request_ids):
+                            warnings, last = self._structured_warnings(job, finals), not include_usage
                     if out.delta_text or out.finished or (out.logprobs is not None and out.delta_token_ids):
-                        for choice in render.delta(index[out.request_id], out):
-                            yield event([choice])
+                        chunks = render.delta(index[out.request_id], out)
+                        for j, choice in enumerate(chunks):
+                            yield event([choice], warnings=warnings if last and j == len(chunks) - 1 else None)
+                        if last and not chunks and warnings:
+                            yield event([], warnings=warnings)
             if include_usage and sub.done:
-                yield event([], _usage(job, finals))
+                yield event([], _usage(job, finals.values()), warnings)
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
