@@ -14,7 +14,7 @@ from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.factory import create_engine
 from jaxinfer.batching.outputs import EngineOutput
-from jaxinfer.batching.structured import compile_constraint, constraint_relaxations, output_warnings
+from jaxinfer.batching.structured import compiler_for, output_warnings
 from jaxinfer.embeddings import EmbeddingOutput, EmbeddingRequestOutput
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputs, as_list, check_logit_bias, choices
@@ -62,10 +62,14 @@ class LLM:
             raise ValueError(f"priority must be one int or a list of {len(prompts)}")
         encoded = [self.engine.encode(p) for p in prompts]  # validate all before queueing any
         mc = self.engine.model_config
+        constraints = None if self.tokenizer is None else compiler_for(
+            self.tokenizer, mc.vocab_size, mc.eos_token_ids, self.engine.config.structured_outputs_whitespace)
         for sp in params:
             check_logit_bias(sp, mc.vocab_size)
             if sp.structured is not None:  # compiled once here, then found in the cache by add_request
-                compile_constraint(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
+                if constraints is None:
+                    raise ValueError("structured outputs need a tokenizer; this model has none")
+                constraints.compile(sp.structured)
         scored = [None if sp.prompt_logprobs is None else self.engine.prompt_logprobs(p, sp.prompt_logprobs)
                   for p, sp in zip(encoded, params)]
         groups = []  # per prompt: its request id and its engine requests, one per completion
@@ -98,7 +102,7 @@ class LLM:
                    for prompt, (rid, group), lps in zip(prompts, groups, scored)]
         for result, sp in zip(results, params):
             if sp.structured is not None and (sp.structured.json is not None or sp.structured.json_object):
-                relaxed = constraint_relaxations(self.tokenizer, sp.structured, mc.vocab_size, mc.eos_token_ids)
+                relaxed = constraints.relaxations(sp.structured)
                 for c in result.outputs:
                     c.warnings = output_warnings(sp.structured, c.text, c.finish_reason, relaxed)
                     if c.warnings:

@@ -271,10 +271,10 @@ OVERLAP = {"type": "object", "properties": {"v": {"oneOf": [{"type": "string", "
 
 
 def test_discriminated_oneof_is_enforced_and_validates(llm):
-    from jaxinfer.batching.structured import constraint_relaxations
+    from jaxinfer.batching.structured import compiler_for
 
     structured = StructuredOutputs(json=UNION)
-    assert constraint_relaxations(llm.tokenizer, structured) == []
+    assert compiler_for(llm.tokenizer).relaxations(structured) == []
     outs = llm.generate(["A pet as JSON:", "A dog as JSON:"], greedy(64, structured=structured))
     for out in outs:
         o = out.outputs[0]
@@ -283,9 +283,9 @@ def test_discriminated_oneof_is_enforced_and_validates(llm):
 
 
 def test_overlapping_oneof_is_relaxed_with_a_warning(llm):
-    from jaxinfer.batching.structured import constraint_relaxations
+    from jaxinfer.batching.structured import compiler_for
 
-    relaxed = constraint_relaxations(llm.tokenizer, StructuredOutputs(json=OVERLAP))
+    relaxed = compiler_for(llm.tokenizer).relaxations(StructuredOutputs(json=OVERLAP))
     assert len(relaxed) == 1 and "'oneOf'" in relaxed[0] and "anyOf" in relaxed[0]
     o = llm.generate("A value as JSON:", greedy(32, structured=StructuredOutputs(json=OVERLAP)))[0].outputs[0]
     assert o.warnings[0] == relaxed[0]
@@ -327,3 +327,21 @@ def test_whitespace_compact_by_default(llm):
               "required": ["a", "b"]}
     o = llm.generate("Numbers as JSON:", greedy(48, structured=StructuredOutputs(json=schema)))[0].outputs[0]
     assert o.finish_reason == "stop" and not re.search(r"\s", o.text), o.text
+
+
+def test_whitespace_belongs_to_the_compiler(smollm2_tokenizer):
+    """Each compiler holds its JSON whitespace, so engines of one process may differ: ``default``
+    accepts ``json.dumps``'s separators, ``compact`` only none."""
+    from jaxinfer.batching.structured import compiler_for
+
+    structured = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "required": ["a"]})
+
+    def accepts(whitespace, text):
+        m = compiler_for(smollm2_tokenizer, whitespace=whitespace).matcher(structured)
+        return m.consume_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False)) and not m.is_error()
+
+    assert accepts("default", '{"a": 1}') and not accepts("compact", '{"a": 1}')
+    assert accepts("compact", '{"a":1}') and not accepts("default", '{"a":1}')
+    with pytest.raises(ValueError, match="structured_outputs_whitespace must be one of"):
+        compiler_for(smollm2_tokenizer, whitespace="tabs")

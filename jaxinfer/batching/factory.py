@@ -25,7 +25,7 @@ from jaxinfer.batching.replicas import ReplicatedEngine
 from jaxinfer.batching.resolve import DeviceFacts, ModelFacts, ResolvedConfig, resolve, size_kv_pool
 from jaxinfer.batching.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.batching.speculative import DraftProposer, NgramProposer, check_draft
-from jaxinfer.batching.structured import Matchers, set_whitespace
+from jaxinfer.batching.structured import Matchers
 from jaxinfer.models import sharding
 from jaxinfer.models.spec import cpu_matmul_layout, num_params
 from jaxinfer.models.weights import (ModelSource, check_has_weights, load_config, load_model, resolve_model,
@@ -104,7 +104,6 @@ def _build(resolved: ResolvedConfig, source: ModelSource, tokenizer_from: ModelS
     leader = mesh is not None and multi and multihost.is_leader()
     if leader:
         multihost.stop_followers_at_exit()
-    set_whitespace(config.structured_outputs_whitespace)
     runner = ModelRunner(resolved, mc, weights, cache, ops, mesh, on_dispatch=multihost.send_step if leader else None)
     scheduler = Scheduler(
         SchedulerConfig(resolved.max_num_seqs, resolved.max_num_batched_tokens, resolved.prefill_chunk_size,
@@ -113,7 +112,7 @@ def _build(resolved: ResolvedConfig, source: ModelSource, tokenizer_from: ModelS
                         num_speculative_tokens=resolved.speculative.num_tokens if resolved.speculative else 0,
                         eos_token_ids=tuple(mc.eos_token_ids)),
         KVCacheManager(resolved.num_pages, resolved.page_size, resolved.enable_prefix_caching),
-        Matchers(tokenizer, mc.vocab_size, mc.eos_token_ids) if tokenizer is not None else None,
+        Matchers(tokenizer, mc.vocab_size, mc.eos_token_ids, config.structured_outputs_whitespace) if tokenizer is not None else None,
         swap_out=runner.swap_out, swap_in=runner.swap_in)
     engine = LLMEngine(config, resolved, mc, tokenizer, runner, scheduler, multihost=multi)
     spec = resolved.speculative

@@ -103,8 +103,13 @@ class ConstraintCompiler:
     ``StructuredOutputs.key``): compiling builds and checks the grammar once; every request then
     gets a copy of the compiled matcher, which is cheap."""
 
-    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None):
+    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None, whitespace: str = "compact"):
         import llguidance.hf
+
+        if whitespace not in WHITESPACE_OPTIONS:
+            raise ValueError(f"structured_outputs_whitespace must be one of {tuple(WHITESPACE_OPTIONS)}, got "
+                             f"{whitespace!r}")
+        self._json_options = WHITESPACE_OPTIONS[whitespace]  # the JSON's separators, llguidance's options
 
         if tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this model has none (dummy weights without "
@@ -127,7 +132,7 @@ class ConstraintCompiler:
 
         if not isinstance(structured, StructuredOutputs):
             raise TypeError(f"structured must be a StructuredOutputs, got {type(structured).__name__}")
-        key = _WHITESPACE + structured.key
+        key = structured.key
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
@@ -141,9 +146,9 @@ class ConstraintCompiler:
         relaxed = []
         try:
             if kind == "json":
-                grammar, relaxed = _json_grammar(llguidance, getattr(structured, kind))
+                grammar, relaxed = _json_grammar(llguidance, getattr(structured, kind), self._json_options)
             else:
-                grammar = _grammar(llguidance, kind, getattr(structured, kind))
+                grammar = _grammar(llguidance, kind, getattr(structured, kind), self._json_options)
         except ValueError as e:
             raise ValueError(f"invalid structured {what}: {e}") from None
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
@@ -171,7 +176,7 @@ class ConstraintCompiler:
         sentence each, naming the keyword; empty where it is enforced whole."""
         self.compile(structured)
         with self._lock:
-            return list(self._relaxed.get(_WHITESPACE + structured.key, ()))
+            return list(self._relaxed.get(structured.key, ()))
 
     def matcher(self, structured: StructuredOutputs):
         """A fresh matcher for one sequence."""
@@ -183,28 +188,19 @@ def _message(error: str) -> str:
     return " ".join(error.split("<state>", 1)[0].split())[:500]
 
 
-# The whitespace of generated JSON (``structured_outputs_whitespace``), llguidance's options for it.
+# The whitespace of generated JSON (``EngineConfig.structured_outputs_whitespace``, one per compiler),
+# llguidance's options for it.
 WHITESPACE_OPTIONS = {
     "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
     "default": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
     "flexible": {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":"},
 }
-_WHITESPACE = "compact"  # the process's choice (one engine per process); part of each cache key
 
 
-def set_whitespace(mode: str) -> None:
-    """The whitespace of JSON generated under schemas from now on (the engine sets it from its config)."""
-    global _WHITESPACE
-    if mode not in WHITESPACE_OPTIONS:
-        raise ValueError(f"structured outputs whitespace must be one of {tuple(WHITESPACE_OPTIONS)}, got {mode!r}")
-    _WHITESPACE = mode
-
-
-def _json_grammar(llguidance, schema) -> tuple[str, list[str]]:
+def _json_grammar(llguidance, schema, options: dict) -> tuple[str, list[str]]:
     """The grammar of a JSON schema and the relaxations it needed (the module's policy): as given,
     with objects that list their properties closed; else with those left open; else lenient."""
     schema = json.loads(schema) if isinstance(schema, str) else schema
-    options = WHITESPACE_OPTIONS[_WHITESPACE]
     closed = close_objects(schema)
     error = None
     for overrides in (None, {"lenient": True}):
@@ -325,10 +321,10 @@ def _violations(schema, doc, limit: int = 5) -> list[str]:
             f"({_message(err.message)[:200]})" for err in errors]
 
 
-def _grammar(llguidance, kind: str, value) -> str:
+def _grammar(llguidance, kind: str, value, options: dict) -> str:
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                             defaults=WHITESPACE_OPTIONS[_WHITESPACE])
+                                                             defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -341,36 +337,32 @@ _compilers: dict[tuple, tuple[object, ConstraintCompiler]] = {}  # key -> (token
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(tokenizer, vocab_size: int | None = None, eos_token_ids=None) -> ConstraintCompiler:
-    """The process's compiler for this tokenizer and vocabulary (built once: ~0.3 s for SmolLM2)."""
-    key = (id(tokenizer), vocab_size, tuple(eos_token_ids or ()))
+def compiler_for(tokenizer, vocab_size: int | None = None, eos_token_ids=None,
+                 whitespace: str = "compact") -> ConstraintCompiler:
+    """The process's compiler for this tokenizer, vocabulary and JSON whitespace (built once: ~0.3 s
+    for SmolLM2)."""
+    key = (id(tokenizer), vocab_size, tuple(eos_token_ids or ()), whitespace)
     with _compilers_lock:
         held = _compilers.get(key)
         if held is None:  # holding the tokenizer keeps its id from being reused by another
-            held = _compilers[key] = (tokenizer, ConstraintCompiler(tokenizer, vocab_size, eos_token_ids))
+            held = _compilers[key] = (tokenizer, ConstraintCompiler(tokenizer, vocab_size, eos_token_ids, whitespace))
         return held[1]
 
 
-def constraint_relaxations(tokenizer, structured: StructuredOutputs, vocab_size: int | None = None,
-                           eos_token_ids=None) -> list[str]:
-    """What of ``structured`` its compiled constraint does not enforce (``ConstraintCompiler.relaxations``)."""
-    return compiler_for(tokenizer, vocab_size, eos_token_ids).relaxations(structured)
-
-
 def compile_constraint(tokenizer, structured: StructuredOutputs, vocab_size: int | None = None,
-                       eos_token_ids=None):
+                       eos_token_ids=None, whitespace: str = "compact"):
     """Validate and compile ``structured`` for ``tokenizer`` (cached per process): raises ``ValueError``
     naming the problem. The server calls it to answer 400 before queueing; the engine calls it in
     ``add_request``, and gets the compiled constraint from the cache."""
-    return compiler_for(tokenizer, vocab_size, eos_token_ids).compile(structured)
+    return compiler_for(tokenizer, vocab_size, eos_token_ids, whitespace).compile(structured)
 
 
 class Matchers:
     """The matchers of one engine's constrained requests, keyed by request id. The tokenizer's
     compiler (~0.3 s to build for SmolLM2) and llguidance's threads are made on the first one."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
-        self._compiler_args = (tokenizer, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), whitespace: str = "compact"):
+        self._compiler_args = (tokenizer, vocab_size, eos_token_ids, whitespace)
         self._by_request: dict[str, object] = {}
         self._constraints: dict[str, StructuredOutputs] = {}
         self._executor = self._filler = None

@@ -27,7 +27,7 @@ from typing import Callable
 from jaxinfer.batching.config import EngineConfig
 from jaxinfer.batching.engine import encode_prompt
 from jaxinfer.batching.outputs import EngineOutput
-from jaxinfer.batching.structured import compiler_for, set_whitespace
+from jaxinfer.batching.structured import ConstraintCompiler, compiler_for
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import engine_core
 from jaxinfer.server.metrics import Metrics
@@ -119,9 +119,6 @@ class AsyncEngine:
                  on_fatal: Callable[[BaseException], None] | None = None,
                  distributed: tuple[str, int, int] | None = None, warmup_structured: bool = False):
         self._model, self._config, self._distributed = model, config, distributed
-        # This process compiles constraints too (to answer a bad one with a 400, and to name relaxations):
-        # with the engine's whitespace, or its grammars and cache keys would differ from the core's.
-        set_whitespace(config.structured_outputs_whitespace)
         self._warmup_structured = warmup_structured  # also compile constrained steps before /health is 200
         self._on_fatal = on_fatal
         self.max_waiting = max_waiting
@@ -135,6 +132,7 @@ class AsyncEngine:
         self.draining = False
         self.failed = False  # the engine core could not start or exited while serving
         self.tokenizer = None
+        self.constraints: ConstraintCompiler | None = None  # with the tokenizer (structured outputs)
         self.max_model_len: int | None = None
         self.vocab_size = 0
         self.hidden_size: int | None = None  # the model's (an embedding's length), once ready
@@ -360,9 +358,11 @@ class AsyncEngine:
             source = tokenizer_source(self._model, self._config)
             self.tokenizer = None if source is None else load_tokenizer(source)
             if self.tokenizer is not None:
-                # Built now rather than by the first constrained request, whose preparation would hold
-                # the GIL for its ~0.3 s of Python (seconds on a busy CPU) and stall the event loop.
-                compiler_for(self.tokenizer)
+                # This process compiles constraints too (to answer a bad one with a 400 and name its
+                # relaxations), with the engine's JSON whitespace. Built now rather than by the first
+                # constrained request, whose preparation would hold the GIL for its ~0.3 s of Python
+                # (seconds on a busy CPU) and stall the event loop.
+                self.constraints = compiler_for(self.tokenizer, whitespace=self._config.structured_outputs_whitespace)
             while cause is None:
                 try:
                     msg = conn.recv()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxinfer.batching.structured import compile_constraint, constraint_relaxations
+from jaxinfer.batching.structured import ConstraintCompiler
 from jaxinfer.sampling_params import StructuredOutputs
 from jaxinfer.server.protocol import APIError
 
@@ -186,8 +186,10 @@ def _parameters(tool: dict) -> dict:
     return strict_schema(params, "tools") if fn.get("strict") else params
 
 
-def request_constraint(req, tokenizer, plan: ToolPlan | None = None) -> StructuredOutputs | None:
-    """The one constraint of a request, validated and compiled (cached), or None."""
+def request_constraint(req, compiler: ConstraintCompiler | None, plan: ToolPlan | None = None
+                       ) -> StructuredOutputs | None:
+    """The one constraint of a request, validated and compiled (cached) by the server's ``compiler``
+    (None: the model has no tokenizer), or None."""
     found = _requested(req)
     if plan is not None and plan.mode in ("required", "named"):
         found.append(("tools" if plan.mode == "required" else "tool_choice",
@@ -199,13 +201,13 @@ def request_constraint(req, tokenizer, plan: ToolPlan | None = None) -> Structur
                        (" (tool_choice required or a named function is one)" if plan and plan.mode in
                         ("required", "named") else ""), param=found[1][0])
     param, structured = found[0]
-    if tokenizer is None:
+    if compiler is None:
         raise APIError(400, f"{param}: constrained output needs a tokenizer; this model has none", param=param)
     try:
-        compile_constraint(tokenizer, structured)
+        compiler.compile(structured)
     except ValueError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_constraint") from None
-    relaxed = constraint_relaxations(tokenizer, structured) if _strict(req, param, plan) else []
+    relaxed = compiler.relaxations(structured) if _strict(req, param, plan) else []
     if relaxed:  # strict: true asks that the output obey the schema, so nothing may be relaxed
         raise APIError(400, f"{param}: strict: true, but the grammar cannot enforce the whole schema: "
                             + "; ".join(relaxed) + " (without strict the schema is relaxed and the output "

@@ -202,7 +202,7 @@ class _Constraints:
     def add(self, rid: str, prompt: list[int], params, priority: int) -> None:
         e = self._engine
         future = self._pool.submit(compile_constraint, e.tokenizer, params.structured, e.model_config.vocab_size,
-                                   e.model_config.eos_token_ids)
+                                   e.model_config.eos_token_ids, e.config.structured_outputs_whitespace)
         self._pending[rid] = (future, prompt, params, priority)
 
     def abort(self, rid: str) -> bool:

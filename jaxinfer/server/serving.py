@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxinfer.batching.outputs import EngineOutput, PromptLogprobs
-from jaxinfer.batching.structured import constraint_relaxations, output_warnings
+from jaxinfer.batching.structured import output_warnings
 from jaxinfer.sampling_params import SamplingParams, check_logit_bias, choices
 from jaxinfer.server import responses, tool_parsers
 from jaxinfer.server.async_engine import AsyncEngine, Submission
@@ -115,7 +115,7 @@ class OpenAIServing:
     def prepare_completion(self, req: CompletionRequest, raw: list) -> tuple[_Job, _Renderer]:
         """The engine's sub-requests and the response renderer of a completion (run off the event loop)."""
         prompts = [self._encode(p, "prompt") for p in raw]
-        structured = request_constraint(req, self.engine.tokenizer)
+        structured = request_constraint(req, self.engine.constraints)
         # vLLM's: echoed logprobs begin with the prompt's, as many top ones as logprobs asks for
         prompt_logprobs = self._prompt_pass(req, req.logprobs if req.echo else None)
         job = self._job(req, prompts, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set,
@@ -143,7 +143,7 @@ class OpenAIServing:
             raise APIError(400, "this model's chat template does not render tools, so the model would never see "
                                 "them; serve it with --chat_template naming a template that does", param="tools",
                            code="tools_unsupported")
-        structured = request_constraint(req, tokenizer, plan)
+        structured = request_constraint(req, self.engine.constraints, plan)
         prompt = self._encode(ids, "messages")
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -355,7 +355,7 @@ class OpenAIServing:
         structured = job.params[0].structured if job.params else None
         if structured is None or not (structured.json is not None or structured.json_object):
             return []
-        relaxed = constraint_relaxations(self.engine.tokenizer, structured)
+        relaxed = self.engine.constraints.relaxations(structured)
         warnings = []
         for i in range(len(finals)):
             for w in output_warnings(structured, finals[i].text, finals[i].finish_reason, relaxed):
