@@ -12,8 +12,8 @@ only, the per-set file maskbench/metainfo/all_stats.json is not in the snapshot)
 model): max_tokens 768, temperature 0; valid / invalid-finished / truncated / refused / server-error
 per set.
 
-  python benchmarks/bench_jsonschemabench.py compile [--data DIR] [--out FILE]
-  python benchmarks/bench_jsonschemabench.py e2e --url http://127.0.0.1:8000 [--n 100] [--seed 0]
+  python benchmarks/bench_jsonschemabench.py compile [--data DIR] [--out FILE] [--per-set 300] [--limit 30]
+  python benchmarks/bench_jsonschemabench.py e2e --url http://127.0.0.1:8000 [--n 100] [--seed 0] [--concurrency 8]
 
 Without ``--data`` the repository's tarball at the pinned commit is downloaded into the user cache.
 """
@@ -106,14 +106,18 @@ def _tokenizer():
     return _TOK
 
 
-def compile_mode(root: str, limit: float) -> dict:
+def compile_mode(root: str, limit: float, per_set: int | None = None, seed: int = 0) -> dict:
+    """``per_set``: a seeded sample of at most that many schemas of each set (all of them when None)."""
     sets = sorted(d for d in os.listdir(os.path.join(root, "data")) if os.path.isdir(os.path.join(root, "data", d)))
     results = {}
     with mp.get_context("spawn").Pool(1, maxtasksperchild=200) as pool:
         for s in sets:
             counts = dict(compiled=0, relaxed=0, refused=0, crashed=0)
             comp_t, mask_t = [], []
-            for path in sorted(glob.glob(os.path.join(root, "data", s, "*.json"))):
+            paths = sorted(glob.glob(os.path.join(root, "data", s, "*.json")))
+            if per_set is not None and len(paths) > per_set:
+                paths = sorted(random.Random(seed).sample(paths, per_set))
+            for path in paths:
                 tests = os.path.join(root, "maskbench", "data", f"{s}---{os.path.basename(path)}")
                 job = pool.apply_async(_one, ((path, tests),))
                 try:
@@ -130,48 +134,55 @@ def compile_mode(root: str, limit: float) -> dict:
             results[s] = {**counts, "compile_ms_p50": pct(comp_t, 50) and pct(comp_t, 50) * 1e3,
                           "compile_ms_p99": pct(comp_t, 99) and pct(comp_t, 99) * 1e3,
                           "mask_us_p50": pct(mask_t, 50) and pct(mask_t, 50) * 1e6,
-                          "mask_us_p99": pct(mask_t, 99) and pct(mask_t, 99) * 1e6}
+                          "mask_us_p99": pct(mask_t, 99) and pct(mask_t, 99) * 1e6, "of": len(paths)}
             print(s, results[s], flush=True)
-    return {"sets": results, "maskbench_llguidance": MASKBENCH_LLG}
+    return {"sets": results, "per_set": per_set, "seed": seed, "limit_s": limit,
+            "maskbench_llguidance": MASKBENCH_LLG}
 
 
-def e2e_mode(root: str, url: str, n: int, seed: int) -> dict:
+def e2e_mode(root: str, url: str, n: int, seed: int, concurrency: int = 1, max_tokens: int = 768) -> dict:
+    """``concurrency`` requests in flight at once (the server batches them)."""
     import httpx
+    from concurrent.futures import ThreadPoolExecutor
     paths = sorted(glob.glob(os.path.join(root, "data", "*", "*.json")))
     sample = random.Random(seed).sample(paths, n)
-    results: dict[str, dict[str, int]] = {}
-    for path in sample:
-        s = path.split(os.sep)[-2]
-        row = results.setdefault(s, dict(valid=0, invalid_finished=0, truncated=0, refused=0, server_error=0))
+
+    def one(path: str) -> str:
         schema = json.load(open(path))
-        body = {"model": "smollm2-135m", "max_tokens": 768, "temperature": 0,
+        body = {"model": "smollm2-135m", "max_tokens": max_tokens, "temperature": 0,
                 "messages": [{"role": "user", "content": "Write a JSON document for this schema."}],
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
         try:
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
         except httpx.HTTPError:
-            row["server_error"] += 1
-            continue
+            return "server_error"
         if r.status_code == 400:
-            row["refused"] += 1
-            continue
+            return "refused"
         if r.status_code != 200:
-            row["server_error"] += 1
-            continue
+            return "server_error"
         out = r.json()
         choice = out["choices"][0]
+        print(path.split(os.sep)[-2], os.path.basename(path), choice["finish_reason"], out.get("warnings", [])[:1],
+              flush=True)
         if choice["finish_reason"] == "length":
-            row["truncated"] += 1
-        elif any("violates" in w or "repeats" in w for w in out.get("warnings", [])):
-            row["invalid_finished"] += 1
-        else:
-            try:
-                json.loads(choice["message"]["content"])
-                row["valid"] += 1
-            except ValueError:
-                row["invalid_finished"] += 1
-        print(s, os.path.basename(path), choice["finish_reason"], out.get("warnings", [])[:1], flush=True)
-    return {"sets": results, "n": n, "seed": seed}
+            return "truncated"
+        if any("violates" in w or "repeats" in w for w in out.get("warnings", [])):
+            return "invalid_finished"
+        try:
+            json.loads(choice["message"]["content"])
+            return "valid"
+        except ValueError:
+            return "invalid_finished"
+
+    results: dict[str, dict[str, int]] = {}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for path, status in zip(sample, pool.map(one, sample)):
+            row = results.setdefault(path.split(os.sep)[-2], dict(valid=0, invalid_finished=0, truncated=0,
+                                                                  refused=0, server_error=0))
+            row[status] += 1
+    return {"sets": dict(sorted(results.items())), "n": n, "seed": seed, "max_tokens": max_tokens,
+            "concurrency": concurrency, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main():
@@ -180,12 +191,16 @@ def main():
     ap.add_argument("--data", help="a local copy of the repository (with data/ and maskbench/)")
     ap.add_argument("--limit", type=float, default=30.0, help="seconds per schema (compile)")
     ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--per-set", type=int, default=None, help="compile: a seeded sample of this many per set")
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=1, help="e2e: requests in flight at once")
+    ap.add_argument("--max-tokens", type=int, default=768, help="e2e")
     ap.add_argument("--out", default=None, help="JSON results file")
     args = ap.parse_args()
     root = data_dir(args.data)
-    res = compile_mode(root, args.limit) if args.mode == "compile" else e2e_mode(root, args.url, args.n, args.seed)
+    res = (compile_mode(root, args.limit, args.per_set, args.seed) if args.mode == "compile"
+           else e2e_mode(root, args.url, args.n, args.seed, args.concurrency, args.max_tokens))
     res.update(mode=args.mode, commit=COMMIT, date=time.strftime("%Y-%m-%d"))
     rows = res["sets"]
     cols = list(next(iter(rows.values())).keys())
@@ -193,9 +208,11 @@ def main():
     for s, r in rows.items():
         print(f"| {s} | " + " | ".join("-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
                                        for v in r.values()) + " |")
-    if args.out:
+    if args.out:  # one file for both modes, each under its name
+        both = json.load(open(args.out)) if os.path.exists(args.out) else {}
+        both[args.mode] = res
         with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(both, f, indent=1)
 
 
 if __name__ == "__main__":
