@@ -62,13 +62,12 @@ class LLM:
             raise ValueError(f"priority must be one int or a list of {len(prompts)}")
         encoded = [self.engine.encode(p) for p in prompts]  # validate all before queueing any
         mc = self.engine.model_config
-        constraints = None if self.tokenizer is None else compiler_for(
-            self.tokenizer, mc.vocab_size, mc.eos_token_ids, self.engine.config.structured_outputs_whitespace)
+        constraints = None  # the engine's constraint compiler, made only if a request is constrained
         for sp in params:
             check_logit_bias(sp, mc.vocab_size)
             if sp.structured is not None:  # compiled once here, then found in the cache by add_request
-                if constraints is None:
-                    raise ValueError("structured outputs need a tokenizer; this model has none")
+                constraints = constraints or compiler_for(self.tokenizer, mc.vocab_size, mc.eos_token_ids,
+                                                          self.engine.config.structured_outputs_whitespace)
                 constraints.compile(sp.structured)
         scored = [None if sp.prompt_logprobs is None else self.engine.prompt_logprobs(p, sp.prompt_logprobs)
                   for p, sp in zip(encoded, params)]
