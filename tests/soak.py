@@ -162,8 +162,10 @@ def cases() -> list[Case]:
         Case("chat-json-schema", "valid", CH, {"messages": [{"role": "user", "content": "Describe a person as JSON."}],
                                                "max_completion_tokens": 64, "response_format": person, **g}),
         Case("chat-guided-json", "valid", CH, {"messages": ASK, "max_completion_tokens": 16, "guided_json": flag, **g}),
+        # one call: the random-weight model writes calls on and on, and a reply cut inside one is plain
+        # content when not streamed (the chat renderer's rule), so it would differ from its stream
         Case("chat-tool-required", "valid", CH, {"messages": ASK, "max_completion_tokens": 64, "tools": TOOLS,
-                                                 "tool_choice": "required", **g}),
+                                                 "tool_choice": "required", "parallel_tool_calls": False, **g}),
         Case("chat-tool-named", "valid", CH, {"messages": ASK, "max_completion_tokens": 32, "tools": [CLOCK],
                                               "tool_choice": {"type": "function", "function": {"name": "get_time"}},
                                               **g}),
@@ -243,7 +245,7 @@ def cases() -> list[Case]:
         bad("regex-syntax", {**hi, "guided_regex": "[a-"}, param="guided_regex"),
         bad("grammar-undefined", {**hi, "guided_grammar": "start: nowhere"}, param="guided_grammar"),
         bad("schema-not", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "not": {}}}}}, path=CH, param="response_format"),
+            "name": "x", "strict": True, "schema": {"type": "object", "not": {}}}}}, path=CH, param="response_format"),
         bad("tool-self-ref-in-step", {"messages": CHAT, "max_tokens": 64, "tools": unsat_tool,
                                       "tool_choice": "required", "temperature": 0}, path=CH, words="constraint"),
         bad("tool-mutual-defs-in-step", {"messages": CHAT, "max_tokens": 64, "tools": mutual_tool,
